@@ -1,0 +1,126 @@
+"""What a patch module sees: the target being patched and the only sanctioned ways to change it.
+
+A patch module defines ``apply(ctx)`` and optionally ``check(ctx)``. Both run once per imported target
+(``ctx.target`` says which). Everything a patch changes must go through ``ctx.wrap`` / ``ctx.replace`` /
+``ctx.on_undo`` so that it is idempotent, can be undone, and can be dry-run by ``omni-patches doctor``.
+"""
+import inspect
+
+from . import versions, wrapping
+
+
+class Drift(Exception):
+    """The target no longer looks like the code this patch was written for: never apply."""
+
+
+class FixedUpstream(Exception):
+    """The target already contains the fix (a feature marker, not just a version): skip."""
+
+
+class _Callback:
+    """Undo record for ``ctx.on_undo``: same interface as :class:`wrapping.Installed`."""
+
+    __slots__ = ("fn", "patch_id")
+
+    def __init__(self, fn, patch_id):
+        self.fn, self.patch_id = fn, patch_id
+
+    def undo(self):
+        self.fn()
+
+
+class PatchContext:
+    def __init__(self, spec, target, module, installed, *, dry_run=False, sink=None):
+        self.spec = spec
+        self.patch_id = spec.id
+        self.target = target
+        self.module = module
+        self.installed = dict(installed)
+        self.dry_run = dry_run
+        self._sink = sink if sink is not None else []
+
+    # -- reading the target --------------------------------------------------------------------
+    def version(self, dist):
+        """Installed version of ``dist`` as a comparable :class:`packaging.version.Version`, or None."""
+        text = self.installed.get(dist) or versions.installed(dist)[1]
+        return versions.comparable(text) if text else None
+
+    def resolve(self, path, root=None):
+        """``ctx.resolve("LoraLoaderMixin.load_lora_into_module")`` from the target module; Drift if absent."""
+        obj = self.module if root is None else root
+        done = []
+        for part in path.split("."):
+            try:
+                obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+            except AttributeError:
+                where = ".".join([getattr(root or self.module, "__name__", "?"), *done])
+                raise Drift(f"{where} has no attribute {part!r}") from None
+            done.append(part)
+        return obj
+
+    def has(self, path, root=None):
+        try:
+            self.resolve(path, root)
+            return True
+        except Drift:
+            return False
+
+    def require_params(self, func, *names, label=None):
+        """Drift unless ``func`` accepts every parameter in ``names``."""
+        func = getattr(func, "__func__", func)
+        try:
+            params = inspect.signature(func).parameters
+        except (TypeError, ValueError) as exc:
+            raise Drift(f"cannot read the signature of {label or func!r}: {exc}") from None
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise Drift(f"{label or getattr(func, '__qualname__', func)} has no parameter(s) {', '.join(missing)} "
+                        f"(has: {', '.join(params)})")
+        return params
+
+    def drift(self, message):
+        raise Drift(message)
+
+    def fixed_upstream(self, message):
+        raise FixedUpstream(message)
+
+    # -- changing the target -------------------------------------------------------------------
+    def _owner(self, owner):
+        return self.resolve(owner) if isinstance(owner, str) else owner
+
+    def wrap(self, owner, name, wrapper):
+        """Wrap ``owner.name`` with ``wrapper(wrapped, instance, args, kwargs)`` (wrapt semantics).
+
+        ``owner`` is an object or a dotted path from the target module ("" = the module itself).
+        """
+        owner = self.module if owner == "" else self._owner(owner)
+        self._exists(owner, name)
+        if self.dry_run:
+            return None
+        new, record = wrapping.wrap(owner, name, wrapper, self.patch_id)
+        if record is not None:
+            self._sink.append(record)
+        return new
+
+    def replace(self, owner, name, make):
+        """Install ``make(original)`` as ``owner.name``: a plain function, for hot paths."""
+        owner = self.module if owner == "" else self._owner(owner)
+        self._exists(owner, name)
+        if self.dry_run:
+            return None
+        new, record = wrapping.replace(owner, name, make, self.patch_id)
+        if record is not None:
+            self._sink.append(record)
+        return new
+
+    def on_undo(self, fn):
+        """Run ``fn()`` when the patch is unapplied (after the attributes installed later are restored)."""
+        if not self.dry_run:
+            self._sink.append(_Callback(fn, self.patch_id))
+
+    def _exists(self, owner, name):
+        try:
+            wrapping.raw_attribute(owner, name)
+        except AttributeError:
+            raise Drift(f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))} has no attribute "
+                        f"{name!r}") from None

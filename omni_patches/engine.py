@@ -1,0 +1,387 @@
+"""Activation, lazy application on first import, status and undo.
+
+Start-up path (must stay cheap, stdlib only): :func:`activate` reads the registry with ``tomllib`` and puts
+a tiny finder on ``sys.meta_path`` that watches the top-level names of the enabled patches' targets
+(``vllm``, ``vllm_omni``, ``vllm_ascend``). Nothing else happens until one of them is imported.
+
+Then, once: the finder removes itself, imports wrapt/packaging, gates every patch on the installed
+versions and registers a wrapt post-import hook per target. Each hook applies its patch to the freshly
+imported module, isolated: any exception is logged once and the host import continues unpatched
+(``OMNI_PATCHES_STRICT=1`` re-raises).
+"""
+import os
+import sys
+import threading
+
+from . import flags, registry
+
+_lock = threading.RLock()
+
+
+class _Runtime:
+    """What happened to one patch in this process."""
+
+    __slots__ = ("state", "reason", "applied_targets", "records", "decision")
+
+    def __init__(self, decision):
+        self.decision = decision
+        self.state, self.reason = decision.state, decision.reason
+        self.applied_targets = []
+        self.records = []  # Installed / callback records, in application order
+
+
+class _State:
+    def __init__(self, reg, forced, source):
+        self.registry = reg
+        self.forced = forced
+        self.sources = [source]
+        self.started = False  # heavy part done (gates decided, hooks registered)
+        self.generation = 0  # bumped by deactivate(): hooks of an older generation do nothing
+        self.runtime = {}  # id -> _Runtime
+        self.order = []  # every undo record, in the order installed, across patches
+        self.trigger = None
+
+
+_state = None
+
+
+class _Trigger:
+    """``sys.meta_path`` entry that waits for the first import of a watched top-level package."""
+
+    def __init__(self, names):
+        self.names = frozenset(names)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] not in self.names:
+            return None
+        finder = _start()
+        # We are inside the import system's loop over sys.meta_path, which _start() just changed: ask
+        # wrapt's finder directly so a hook registered for this very module still fires.
+        if finder is not None:
+            return finder.find_spec(fullname, path, target)
+        return None
+
+    def invalidate_caches(self):  # part of the finder protocol
+        pass
+
+
+def _top_levels(names):
+    return {n.partition(".")[0] for n in names}
+
+
+def activate(*, force=False, source="api"):
+    """Turn the shim on for this process. Returns True if this call activated it, False if it was
+    already active or the master switch is off. Never raises unless OMNI_PATCHES_STRICT=1."""
+    global _state
+    try:
+        with _lock:
+            if _state is not None:
+                if source not in _state.sources:
+                    _state.sources.append(source)
+                return False
+            if not force and not flags.master_enabled():
+                return False
+            reg = registry.load()
+            _state = state = _State(reg, force, source)
+            if reg.errors:
+                from . import log
+
+                for err in reg.errors:
+                    log.once(40, ("registry", err), "registry problem: %s", err)
+            switched_on = [s.id for s in reg.specs.values() if flags.patch_switch(s.id, s.default)[0]]
+            odd = flags.unknown_names(reg.specs)
+            if odd:
+                from . import log
+
+                for name, close in odd:
+                    hint = f"; did you mean {close}?" if close else ""
+                    log.once(30, ("env", name), "unknown variable %s ignored%s", name, hint)
+            watched = _top_levels(reg.enabled_targets(switched_on))
+            if not watched:
+                return True
+            if any(name in sys.modules for name in watched):
+                _start()
+            else:
+                state.trigger = _Trigger(watched)
+                sys.meta_path.insert(0, state.trigger)
+            return True
+    except Exception:
+        if flags.strict():
+            raise
+        from . import log
+
+        log.get().exception("activation failed; running unpatched")
+        return False
+
+
+def _start():
+    """The heavy half of activation, run once at the first import of a target package."""
+    state = _state
+    if state is None:
+        return None
+    with _lock:
+        if state.trigger is not None:
+            try:
+                sys.meta_path.remove(state.trigger)
+            except ValueError:
+                pass
+            state.trigger = None
+        if state.started:
+            return _wrapt_finder()
+        state.started = True
+        try:
+            import functools
+
+            import wrapt
+
+            from . import gates, log
+
+            master = True if state.forced else None
+            for spec in state.registry.specs.values():
+                decision = gates.decide(spec, master=master)
+                rt = state.runtime[spec.id] = _Runtime(decision)
+                if decision.state != "pending":
+                    level = 40 if decision.state == "failed" else 20
+                    log.once(level, ("decision", spec.id), "%s: %s (%s)", spec.id, decision.state, decision.reason)
+                    continue
+                log.get().debug("%s: waiting for %s", spec.id, ", ".join(spec.targets))
+                for target in spec.targets:
+                    hook = functools.partial(_on_import, state.generation, spec.id, target)
+                    wrapt.register_post_import_hook(hook, target)
+                    if rt.state != "pending" and rt.state != "applied":
+                        break  # an already-imported target drifted or failed: the rest would be undone anyway
+        except Exception:
+            if flags.strict():
+                raise
+            from . import log
+
+            log.get().exception("omni-patches could not start; running unpatched")
+        return _wrapt_finder()
+
+
+def _wrapt_finder():
+    import wrapt.importer
+
+    for finder in sys.meta_path:
+        if isinstance(finder, wrapt.importer.ImportHookFinder):
+            return finder
+    return None
+
+
+def _on_import(generation, patch_id, target, module):
+    """wrapt post-import hook. Must never raise into the host's import unless strict."""
+    try:
+        if _state is None or _state.generation != generation:
+            return
+        _apply_target(_state, patch_id, target, module)
+    except Exception:
+        if flags.strict():
+            raise
+        from . import log
+
+        log.once(40, ("hook", patch_id, target), "%s: unexpected error in the import hook for %s; "
+                 "running unpatched", patch_id, target, exc_info=True)
+
+
+def _apply_target(state, patch_id, target, module, *, dry_run=False):
+    import importlib
+
+    from . import log
+    from .context import Drift, FixedUpstream, PatchContext
+
+    with _lock:
+        rt = state.runtime[patch_id]
+        if not dry_run and (rt.state not in ("pending", "applied") or target in rt.applied_targets):
+            return rt.state
+        spec = state.registry.specs[patch_id]
+        sink = []
+        ctx = PatchContext(spec, target, module, rt.decision.installed, dry_run=dry_run, sink=sink)
+        try:
+            impl = importlib.import_module(spec.module)
+            check = getattr(impl, "check", None)
+            if check is not None:
+                check(ctx)
+            impl.apply(ctx)
+        except FixedUpstream as exc:
+            _settle(state, rt, sink, "skipped:version", f"fixed upstream: {exc}", dry_run)
+            log.once(20, ("decision", patch_id, "fixed"), "%s: skipped:version (fixed upstream: %s)", patch_id, exc)
+            return rt.state
+        except Drift as exc:
+            _settle(state, rt, sink, "drifted", f"{target}: {exc}", dry_run)
+            log.once(30, ("decision", patch_id, "drift"), "%s: drifted, not applied (%s: %s)", patch_id, target, exc)
+            if flags.strict() and not dry_run:
+                raise
+            return rt.state
+        except Exception as exc:
+            _settle(state, rt, sink, "failed", f"{target}: {type(exc).__name__}: {exc}", dry_run)
+            log.once(40, ("decision", patch_id, "failed"), "%s: failed, not applied (%s)", patch_id, rt.reason,
+                     exc_info=True)
+            if flags.strict() and not dry_run:
+                raise
+            return rt.state
+        if dry_run:
+            return "ready"
+        rt.records.extend(sink)
+        state.order.extend(sink)
+        rt.applied_targets.append(target)
+        rt.state = "applied"
+        rt.reason = "patched " + ", ".join(rt.applied_targets)
+        log.get().info("%s: applied to %s", patch_id, target)
+        return rt.state
+
+
+def _settle(state, rt, sink, new_state, reason, dry_run):
+    """A target could not be patched: undo what this attempt and earlier targets of the patch did."""
+    for record in reversed(sink):
+        record.undo()
+    if dry_run:
+        rt.state, rt.reason = new_state, reason
+        return
+    _undo_records(state, rt)
+    rt.state, rt.reason = new_state, reason
+
+
+def _undo_records(state, rt):
+    problems = []
+    for record in reversed(rt.records):
+        try:
+            record.undo()
+        except Exception as exc:  # someone wrapped on top of us: leave it, report it
+            problems.append(str(exc))
+            continue
+        state.order.remove(record)
+    rt.records = [r for r in rt.records if r in state.order]
+    rt.applied_targets = [] if not rt.records else rt.applied_targets
+    return problems
+
+
+def unapply(patch_id):
+    """Undo one patch. True if something was restored; unknown or never-applied ids give False."""
+    from . import log
+
+    with _lock:
+        if _state is None or patch_id not in _state.runtime:
+            return False
+        rt = _state.runtime[patch_id]
+        if not rt.records and rt.state != "applied":
+            rt.state, rt.reason = ("skipped:disabled", "unapplied at runtime") if rt.state == "pending" else (
+                rt.state, rt.reason)
+            return False
+        problems = _undo_records(_state, rt)
+        if problems:
+            msg = f"{patch_id}: could not undo everything: " + "; ".join(problems)
+            if flags.strict():
+                raise RuntimeError(msg)
+            log.get().error(msg)
+            return False
+        rt.state, rt.reason = "skipped:disabled", "unapplied at runtime (omni_patches.unapply)"
+        log.get().info("%s: unapplied", patch_id)
+        return True
+
+
+def unapply_all():
+    """Undo every patch, newest record first. Returns the ids that were undone."""
+    with _lock:
+        if _state is None:
+            return []
+        done = []
+        for record in reversed(list(_state.order)):
+            pid = record.patch_id
+            if pid not in done:
+                done.append(pid)
+        return [pid for pid in done if unapply(pid)]
+
+
+def deactivate():
+    """Undo everything and stop reacting to imports (tests, ``doctor``). Activation may happen again."""
+    global _state
+    with _lock:
+        if _state is None:
+            return
+        unapply_all()
+        if _state.trigger is not None and _state.trigger in sys.meta_path:
+            sys.meta_path.remove(_state.trigger)
+        _state.generation += 1
+        _state = None
+
+
+def is_active():
+    return _state is not None
+
+
+def status(*, master=None):
+    """One PatchStatus per registry entry, for this process (or, if not active, for what would happen)."""
+    from . import gates
+    from .records import PatchStatus
+
+    with _lock:
+        reg = _state.registry if _state is not None else registry.load()
+        out = []
+        for spec in reg.specs.values():
+            rt = _state.runtime.get(spec.id) if _state is not None else None
+            if rt is not None:
+                decision, state, reason, applied = rt.decision, rt.state, rt.reason, tuple(rt.applied_targets)
+            else:
+                if _state is not None and master is None:
+                    master = True if _state.forced else None
+                decision = gates.decide(spec, master=master)
+                state, reason, applied = decision.state, decision.reason, ()
+            out.append(PatchStatus(
+                id=spec.id, env=flags.env_name(spec.id), state=state, reason=reason, summary=spec.summary,
+                default=spec.default, enabled=decision.enabled, requires=dict(spec.requires),
+                installed=dict(decision.installed), targets=tuple(spec.targets), applied_targets=applied))
+        return out
+
+
+def registry_errors():
+    with _lock:
+        reg = _state.registry if _state is not None else registry.load()
+        return list(reg.errors)
+
+
+def doctor():
+    """Import every target of every patch that would apply and dry-run its checks; wrap nothing.
+
+    Returns PatchStatus records; ``state == "ready"`` means the patch would apply cleanly.
+    """
+    import importlib
+
+    from . import gates
+    from .records import PatchStatus
+
+    deactivate()
+    reg = registry.load()
+    state = _State(reg, True, "doctor")
+    out = []
+    for spec in reg.specs.values():
+        decision = gates.decide(spec, master=True)
+        rt = state.runtime[spec.id] = _Runtime(decision)
+        result, reason = decision.state, decision.reason
+        if decision.state == "pending":
+            checked, unimportable = [], []
+            result = "ready"
+            for target in spec.targets:
+                try:
+                    module = importlib.import_module(target)
+                except ImportError as exc:  # e.g. an NPU-only module on a GPU host: never imported there
+                    unimportable.append(f"{target} ({type(exc).__name__}: {exc})")
+                    continue
+                except Exception as exc:
+                    result, reason = "failed", f"importing {target} failed: {type(exc).__name__}: {exc}"
+                    break
+                checked.append(target)
+                got = _apply_target(state, spec.id, target, module, dry_run=True)
+                if got != "ready":
+                    result, reason = got, rt.reason
+                    break
+            if result == "ready":
+                reason = "checks passed for " + (", ".join(checked) or "nothing")
+                if unimportable:
+                    reason += "; not importable here: " + "; ".join(unimportable)
+                if not checked:
+                    result = "failed"
+        out.append(PatchStatus(
+            id=spec.id, env=flags.env_name(spec.id), state=result, reason=reason, summary=spec.summary,
+            default=spec.default, enabled=decision.enabled, requires=dict(spec.requires),
+            installed=dict(decision.installed), targets=tuple(spec.targets)))
+    return out

@@ -1,0 +1,169 @@
+"""Load and validate ``patches.toml`` (plus ``OMNI_PATCHES_CONFIG`` overlays).
+
+Runs at interpreter start-up when the shim is on, so it stays stdlib-only (``tomllib``); the checks that
+need ``packaging`` (specifier syntax) run later, in :mod:`omni_patches.gates`, when a target is imported.
+A bad entry never takes the others down: it is kept with ``error`` set and reported as ``failed``.
+"""
+import os
+
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+
+
+def _is_id(value):
+    """kebab-case: lower-case alphanumeric words joined by single hyphens (no ``re``: start-up path)."""
+    return isinstance(value, str) and all(w and set(w) <= _ID_CHARS for w in value.split("-"))
+
+
+def _is_dotted(value):
+    return isinstance(value, str) and all(p.isidentifier() for p in value.split("."))
+
+# key -> (python type, required for a new entry)
+KEYS = {
+    "id": (str, True),
+    "summary": (str, True),
+    "upstream": (list, False),
+    "why": (str, False),
+    "remove_when": (str, False),
+    "default": (bool, True),
+    "requires": (dict, True),
+    "fixed_in": (dict, False),
+    "targets": (list, True),
+    "module": (str, True),
+}
+
+
+class PatchSpec:
+    """One registry entry. ``error`` is None for a valid entry, else the message that makes it ``failed``."""
+
+    __slots__ = ("id", "summary", "upstream", "why", "remove_when", "default", "requires", "fixed_in",
+                 "targets", "module", "source", "error")
+
+    def __init__(self, id, source):
+        self.id = id
+        self.source = source
+        self.summary = self.why = self.remove_when = self.module = ""
+        self.upstream = []
+        self.default = True
+        self.requires = {}
+        self.fixed_in = {}
+        self.targets = []
+        self.error = None
+
+    def __repr__(self):
+        return f"PatchSpec({self.id!r}, module={self.module!r}, error={self.error!r})"
+
+
+class Registry:
+    def __init__(self):
+        self.specs = {}  # id -> PatchSpec, in declaration order
+        self.errors = []  # file-level problems (unreadable file, TOML syntax)
+        self.files = []
+
+    def enabled_targets(self, ids):
+        return {t for i in ids for t in self.specs[i].targets}
+
+
+def builtin_path():
+    """The registry shipped inside the package; a source checkout falls back to the repository's copy."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(here, "patches.toml")
+    if os.path.exists(packaged):
+        return packaged
+    return os.path.join(os.path.dirname(here), "patches.toml")
+
+
+def config_paths(environ=os.environ):
+    paths = [builtin_path()]
+    extra = environ.get("OMNI_PATCHES_CONFIG", "")
+    paths.extend(p for p in extra.split(os.pathsep) if p.strip())
+    return paths
+
+
+def load(paths=None, environ=os.environ):
+    """Parse every registry file in order; later files add patches or override keys of earlier ones."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    reg = Registry()
+    for path in paths if paths is not None else config_paths(environ):
+        reg.files.append(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            reg.errors.append(f"{path}: cannot read registry: {exc}")
+            continue
+        _merge(reg, path, data)
+    return reg
+
+
+def _merge(reg, path, data):
+    for key in data:
+        if key != "patch":
+            reg.errors.append(f"{path}: unknown top-level key {key!r} (expected [[patch]] tables)")
+    entries = data.get("patch", [])
+    if not isinstance(entries, list):
+        reg.errors.append(f"{path}: 'patch' must be an array of tables ([[patch]])")
+        return
+    seen = set()
+    for n, entry in enumerate(entries, 1):
+        pid = entry.get("id") if isinstance(entry, dict) else None
+        if not _is_id(pid):
+            reg.errors.append(f"{path}: patch #{n}: 'id' must be a kebab-case string, got {pid!r}")
+            continue
+        if pid in seen:
+            reg.errors.append(f"{path}: duplicate id {pid!r} in the same file; the first one is kept")
+            spec = reg.specs[pid]
+            spec.error = spec.error or f"{path}: duplicate id {pid!r}"
+            continue
+        seen.add(pid)
+        spec = reg.specs.get(pid)
+        new = spec is None
+        if new:
+            spec = reg.specs[pid] = PatchSpec(pid, path)
+        problems = _apply_keys(spec, entry, new)
+        if problems:
+            spec.error = "; ".join(f"{path}: patch {pid!r}: {p}" for p in problems)
+
+
+def _apply_keys(spec, entry, new):
+    problems = []
+    for key, value in entry.items():
+        if key not in KEYS:
+            problems.append(f"unknown key {key!r}")
+            continue
+        typ, _ = KEYS[key]
+        if not isinstance(value, typ):
+            problems.append(f"key {key!r} must be {typ.__name__}, got {type(value).__name__}")
+            continue
+        problem = _check_value(key, value)
+        if problem:
+            problems.append(problem)
+            continue
+        if key != "id":
+            setattr(spec, key, value)
+    if new:
+        missing = [k for k, (_, req) in KEYS.items() if req and k not in entry]
+        if missing:
+            problems.append("missing key(s) " + ", ".join(repr(m) for m in missing))
+    return problems
+
+
+def _check_value(key, value):
+    if key in ("requires", "fixed_in"):
+        bad = [k for k, v in value.items() if not isinstance(v, str)]
+        if bad:
+            return f"key {key!r}: values must be strings (PEP 440), not for {bad}"
+    elif key == "targets":
+        bad = [t for t in value if not _is_dotted(t)]
+        if bad or not value:
+            return f"key 'targets' must be a non-empty list of import names, bad: {bad}"
+    elif key == "module":
+        if not _is_dotted(value):
+            return f"key 'module' is not an import name: {value!r}"
+    elif key == "upstream":
+        if not all(isinstance(u, str) for u in value):
+            return "key 'upstream' must be a list of strings"
+    return None

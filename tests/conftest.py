@@ -1,0 +1,112 @@
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # `support`, `fakepatches`, `cases`
+
+from support import fakes  # noqa: E402
+
+# The engine reads these; a developer's shell must not leak into the tests.
+for _k in [k for k in os.environ if k.startswith("OMNI_PATCHES")]:
+    del os.environ[_k]
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def messages(self, level=logging.DEBUG):
+        return [r.getMessage() for r in self.records if r.levelno >= level]
+
+
+@pytest.fixture
+def logs():
+    from omni_patches import log
+
+    logger = log.get()
+    handler = _ListHandler()
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+@pytest.fixture
+def isolated(monkeypatch):
+    """Restore sys.modules / sys.path / sys.meta_path and reset the engine around a test."""
+    import wrapt.importer
+
+    from omni_patches import engine, log, versions
+
+    engine.deactivate()
+    mods, path, meta = set(sys.modules), list(sys.path), list(sys.meta_path)
+    hooks = dict(wrapt.importer._post_import_hooks)
+    hook_init = wrapt.importer._post_import_hooks_init
+    versions.clear_cache()
+    log._seen.clear()
+    yield
+    engine.deactivate()
+    for name in set(sys.modules) - mods:
+        del sys.modules[name]
+    sys.path[:] = path
+    sys.meta_path[:] = meta
+    wrapt.importer._post_import_hooks.clear()
+    wrapt.importer._post_import_hooks.update(hooks)
+    wrapt.importer._post_import_hooks_init = hook_init  # its finder left sys.meta_path with the restore
+    versions.clear_cache()
+    log._seen.clear()
+
+
+class Shim:
+    """A fake site-packages plus a test registry that replaces the built-in one."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        self.tmp, self.mp = tmp_path, monkeypatch
+        self.site = tmp_path / "site"
+        self.site.mkdir()
+        self.builtin = tmp_path / "builtin.toml"
+        self.builtin.write_text("")
+        monkeypatch.syspath_prepend(str(self.site))
+        from omni_patches import registry
+
+        monkeypatch.setattr(registry, "builtin_path", lambda: str(self.builtin))
+
+    def registry(self, *entries, name="builtin.toml"):
+        path = self.tmp / name
+        path.write_text(fakes.registry_text(*entries))
+        return path
+
+    def omni(self, version="0.28.0", **kw):
+        fakes.fake_omni(self.site, version, **kw)
+        from omni_patches import versions
+
+        versions.clear_cache()
+
+    def env(self, **values):
+        for k, v in values.items():
+            if v is None:
+                self.mp.delenv(k, raising=False)
+            else:
+                self.mp.setenv(k, v)
+
+    def status(self):
+        import omni_patches
+
+        return {s.id: s for s in omni_patches.status()}
+
+
+@pytest.fixture
+def shim(isolated, tmp_path, monkeypatch):
+    return Shim(tmp_path, monkeypatch)

@@ -1,0 +1,1 @@
+"""Shared helpers for the test-suite: fetching real upstream files, fake packages, real-stack venvs."""

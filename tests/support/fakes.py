@@ -1,0 +1,97 @@
+"""Fake target packages with *real* dist-info metadata, so version gates run through importlib.metadata."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+
+def make_dist(site: Path, dist: str, version: str, files: dict[str, str]) -> Path:
+    """Write ``files`` (relative path -> source) plus ``<dist>-<version>.dist-info`` into ``site``."""
+    site.mkdir(parents=True, exist_ok=True)
+    for rel, text in files.items():
+        path = site / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    tops = sorted({rel.split("/")[0].removesuffix(".py") for rel in files})
+    (info / "top_level.txt").write_text("\n".join(tops) + "\n")
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in files))
+    return site
+
+
+FAKE_LOADER = '''
+    """A stand-in target: a module function, a class with every kind of method, and a consumer import."""
+    import threading
+
+    CALLS = []
+
+    def compute(x, scale=1):
+        return x * scale
+
+    class Mixin:
+        @classmethod
+        def load(cls, x):
+            return (cls.__name__, x)
+
+        @staticmethod
+        def helper(x):
+            return x + 1
+
+        def method(self, x):
+            return x - 1
+
+    class Child(Mixin):
+        pass
+'''
+
+FAKE_CONSUMER = '''
+    from fakeomni.loader import compute
+'''
+
+
+def fake_omni(site: Path, version: str = "0.28.0", *, loader: str = FAKE_LOADER) -> Path:
+    return make_dist(site, "fake-omni", version, {
+        "fakeomni/__init__.py": "",
+        "fakeomni/loader.py": loader,
+        "fakeomni/consumer.py": FAKE_CONSUMER,
+    })
+
+
+def registry_text(*entries: dict) -> str:
+    """Render ``[[patch]]`` tables (enough TOML for tests; values are str/bool/list/dict of str)."""
+    def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f'"{k}" = {val(x)}' for k, x in v.items()) + " }"
+        raise TypeError(v)
+
+    out = []
+    for e in entries:
+        out.append("[[patch]]")
+        out.extend(f"{k} = {val(v)}" for k, v in e.items())
+        out.append("")
+    return "\n".join(out)
+
+
+def entry(pid="fake-double", **over):
+    base = {
+        "id": pid,
+        "summary": "doubles fakeomni.loader.compute",
+        "upstream": ["https://example.invalid/pr/1"],
+        "why": "test",
+        "remove_when": "never",
+        "default": True,
+        "requires": {"fake-omni": ">=0.27.0rc1,<0.30.0rc1"},
+        "fixed_in": {"fake-omni": "0.30.0rc1"},
+        "targets": ["fakeomni.loader", "fakeomni.consumer"],
+        "module": "fakepatches.double",
+    }
+    base.update(over)
+    return base

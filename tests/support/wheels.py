@@ -1,0 +1,98 @@
+"""Fetch real upstream distributions from PyPI once and cache them for every test run.
+
+Nothing here installs or imports the upstream code: it downloads the wheel/sdist with
+``pip download --no-deps`` and unpacks it into a cache directory, so tests can load
+single real files (``loader.py``, ``parallel_state.py`` ...) next to small stubs.
+
+Cache root: ``$OMNI_PATCHES_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+CACHE = Path(os.environ.get("OMNI_PATCHES_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
+
+
+@contextmanager
+def _locked(name: str):
+    """Serialise concurrent fetches of the same artefact (pytest-xdist, parallel CI tiers)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
+    """Return the path of the cached wheel (or sdist) of ``dist==version``, downloading it if needed."""
+    key = f"{dist}-{version}{'-sdist' if sdist else ''}"
+    dest = CACHE / "dists" / key
+    with _locked(key):
+        found = sorted(p for p in dest.glob("*") if p.suffix in (".whl", ".gz", ".zip")) if dest.exists() else []
+        if found:
+            return found[0]
+        tmp = dest.with_name(dest.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "-d", str(tmp), f"{dist}=={version}"]
+        if sdist:
+            cmd[4:4] = ["--no-binary", ":all:", "--no-build-isolation"]
+        env = {**os.environ, **(extra_env or {})}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        found = sorted(p for p in tmp.glob("*") if p.suffix in (".whl", ".gz", ".zip"))
+        if not found:
+            raise RuntimeError(f"pip download {dist}=={version} failed:\n{proc.stdout}\n{proc.stderr}")
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        return dest / found[0].name
+
+
+def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
+    """Return a directory holding the unpacked files of ``dist==version`` (wheel root, or sdist top dir)."""
+    archive = download(dist, version, sdist=sdist, extra_env=extra_env)
+    out = CACHE / "unpacked" / archive.name
+    with _locked("unpack-" + archive.name):
+        if not (out / ".complete").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            if archive.suffix == ".whl" or archive.suffix == ".zip":
+                with zipfile.ZipFile(archive) as zf:
+                    zf.extractall(out)
+            else:
+                with tarfile.open(archive) as tf:
+                    tf.extractall(out, filter="data")
+            (out / ".complete").touch()
+    if sdist:
+        tops = [p for p in out.iterdir() if p.is_dir()]
+        return tops[0] if len(tops) == 1 else out
+    return out
+
+
+def real_file(dist: str, version: str, relpath: str, **kw) -> Path:
+    """Path of one real upstream file, e.g. ``real_file("vllm-omni", "0.28.0", "vllm_omni/diffusion/lora/loader.py")``."""
+    path = unpacked(dist, version, **kw) / relpath
+    if not path.exists():
+        raise FileNotFoundError(f"{relpath} is not in {dist}=={version}")
+    return path
+
+
+def fetch_or_skip(dist: str, version: str, **kw) -> Path:
+    """Like :func:`unpacked`, but skips the test (loudly) when PyPI cannot be reached, unless CI is set."""
+    try:
+        return unpacked(dist, version, **kw)
+    except RuntimeError as exc:  # pragma: no cover - network dependent
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"cannot fetch {dist}=={version}: {exc}")
