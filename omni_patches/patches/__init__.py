@@ -1,0 +1,24 @@
+"""One module per patch. Each opens with its record and defines ``apply(ctx)`` (and optionally ``check(ctx)``).
+
+Record (the module docstring; ``tests/test_records.py`` checks it mirrors ``patches.toml``)::
+
+    <patch-id>: <one-line summary>
+
+    Fixes:       what goes wrong without it (symptom, numbers)
+    Upstream:    PR / issue URLs (every URL of the registry's ``upstream`` list)
+    Affected:    <dist> <specifier> (the registry's ``requires``); fixed upstream in <dist> <version>
+    How:         what is wrapped, and why this technique
+    Remove when: the condition under which the patch can be deleted
+
+Contract with the engine (:mod:`omni_patches.context`):
+
+* ``check(ctx)`` / ``apply(ctx)`` run once per target module when it is first imported; ``ctx.target`` is its
+  name, ``ctx.module`` the module. Do not import other targets from here.
+* Change things only through ``ctx.wrap(owner, name, wrapper)`` (wrapt), ``ctx.replace(owner, name, make)``
+  (plain function, hot paths) and ``ctx.on_undo(fn)``: that is what makes a patch idempotent, undoable and
+  dry-runnable (``omni-patches doctor`` calls ``apply`` with ``ctx.dry_run`` set; wrap/replace then only verify).
+* Detect drift with ``ctx.resolve(path)``, ``ctx.has(path)``, ``ctx.require_params(func, *names)`` or
+  ``ctx.drift(msg)``; report an upstream fix found by feature with ``ctx.fixed_upstream(msg)``.
+* Keep wrappers cheap and free of imports of heavy modules at call time; never raise from a wrapper for a
+  reason of the patch's own (fall back to calling the original).
+"""

@@ -1,0 +1,1 @@
+"""One module per real patch, each defining ``CASE = support.contract.Case(...)``."""

