@@ -1,21 +1,25 @@
 """Activation, lazy application on first import, status and undo.
 
-Start-up path (must stay cheap, stdlib only): :func:`activate` reads the registry with ``tomllib`` and puts
-a tiny finder on ``sys.meta_path`` that watches the top-level names of the enabled patches' targets
-(``vllm``, ``vllm_omni``, ``vllm_ascend``). Nothing else happens until one of them is imported.
+Start-up path (the .pth line; must cost < 5 ms, stdlib builtins only): :func:`activate` puts a tiny finder
+on ``sys.meta_path`` that waits for the first import of a package in :data:`WAKE_ON` (plus the top-level
+packages named by ``OMNI_PATCHES_CONFIG`` overlays, which are parsed then). Nothing else happens -- not
+even reading the registry -- until one of them is imported.
 
-Then, once: the finder removes itself, imports wrapt/packaging, gates every patch on the installed
-versions and registers a wrapt post-import hook per target. Each hook applies its patch to the freshly
-imported module, isolated: any exception is logged once and the host import continues unpatched
-(``OMNI_PATCHES_STRICT=1`` re-raises).
+Then, once: the finder removes itself, the registry is loaded and validated, wrapt/packaging are imported,
+every patch is gated on the installed versions and a wrapt post-import hook is registered per target. Each
+hook applies its patch to the freshly imported module, isolated: any exception is logged once and the host
+import continues unpatched (``OMNI_PATCHES_STRICT=1`` re-raises).
 """
-import os
 import sys
-import threading
+from _thread import RLock  # not `threading`: its import chain alone would eat the start-up budget
 
 from . import flags, registry
 
-_lock = threading.RLock()
+_lock = RLock()
+
+# Top-level packages whose first import wakes the shim. Every target of the built-in registry lives under
+# one of them (tests/test_engine.py checks); overlay registries add their own at activation.
+WAKE_ON = frozenset(("vllm", "vllm_omni", "vllm_ascend"))
 
 
 class _Runtime:
@@ -32,7 +36,7 @@ class _Runtime:
 
 class _State:
     def __init__(self, reg, forced, source):
-        self.registry = reg
+        self._registry = reg
         self.forced = forced
         self.sources = [source]
         self.started = False  # heavy part done (gates decided, hooks registered)
@@ -40,6 +44,12 @@ class _State:
         self.runtime = {}  # id -> _Runtime
         self.order = []  # every undo record, in the order installed, across patches
         self.trigger = None
+
+    @property
+    def registry(self):
+        if self._registry is None:
+            self._registry = registry.load()
+        return self._registry
 
 
 _state = None
@@ -81,24 +91,8 @@ def activate(*, force=False, source="api"):
                 return False
             if not force and not flags.master_enabled():
                 return False
-            reg = registry.load()
-            _state = state = _State(reg, force, source)
-            if reg.errors:
-                from . import log
-
-                for err in reg.errors:
-                    log.once(40, ("registry", err), "registry problem: %s", err)
-            switched_on = [s.id for s in reg.specs.values() if flags.patch_switch(s.id, s.default)[0]]
-            odd = flags.unknown_names(reg.specs)
-            if odd:
-                from . import log
-
-                for name, close in odd:
-                    hint = f"; did you mean {close}?" if close else ""
-                    log.once(30, ("env", name), "unknown variable %s ignored%s", name, hint)
-            watched = _top_levels(reg.enabled_targets(switched_on))
-            if not watched:
-                return True
+            _state = state = _State(None, force, source)
+            watched = set(WAKE_ON) | _overlay_top_levels()
             if any(name in sys.modules for name in watched):
                 _start()
             else:
@@ -112,6 +106,25 @@ def activate(*, force=False, source="api"):
 
         log.get().exception("activation failed; running unpatched")
         return False
+
+
+def _overlay_top_levels():
+    """Top-level packages of overlay targets (parsed only when OMNI_PATCHES_CONFIG is set)."""
+    paths = registry.config_paths()[1:]
+    if not paths:
+        return set()
+    reg = registry.load(paths)
+    return _top_levels(t for spec in reg.specs.values() for t in spec.targets)
+
+
+def _report_registry(reg):
+    from . import log
+
+    for err in reg.errors:
+        log.once(40, ("registry", err), "registry problem: %s", err)
+    for name, close in flags.unknown_names(reg.specs):
+        hint = f"; did you mean {close}?" if close else ""
+        log.once(30, ("env", name), "unknown variable %s ignored%s", name, hint)
 
 
 def _start():
@@ -136,6 +149,7 @@ def _start():
 
             from . import gates, log
 
+            _report_registry(state.registry)
             master = True if state.forced else None
             for spec in state.registry.specs.values():
                 decision = gates.decide(spec, master=master)

@@ -79,9 +79,11 @@ class Shim:
         self.builtin = tmp_path / "builtin.toml"
         self.builtin.write_text("")
         monkeypatch.syspath_prepend(str(self.site))
-        from omni_patches import registry
+        from omni_patches import engine, registry
 
         monkeypatch.setattr(registry, "builtin_path", lambda: str(self.builtin))
+        # The test registry stands in for the built-in one, so its package must wake the shim like vllm does.
+        monkeypatch.setattr(engine, "WAKE_ON", engine.WAKE_ON | {"fakeomni"})
 
     def registry(self, *entries, name="builtin.toml"):
         path = self.tmp / name

@@ -85,6 +85,8 @@ def test_default_off_needs_its_switch(shim):
 def test_unknown_variable_names_closest_id(shim, logs):
     shim.omni()
     _on(shim, entry(), OMNI_PATCHES_FAKE_DUBLE="0")
+    import fakeomni.loader  # noqa: F401  (the registry, hence the list of valid names, is read now)
+
     msgs = [m for m in logs.messages(logging.WARNING) if "OMNI_PATCHES_FAKE_DUBLE" in m]
     assert msgs and "OMNI_PATCHES_FAKE_DOUBLE" in msgs[0]
 
@@ -156,6 +158,42 @@ def test_pending_until_imported_then_applied(shim, logs):
     assert fakeomni.loader.Mixin.helper(1) == ("patched", 2)
     assert fakeomni.loader.Child().method(1) == ("patched", 0)
     assert any("fake-double: applied to fakeomni.loader" in m for m in logs.messages(logging.INFO))
+
+
+def test_builtin_targets_wake_the_shim():
+    from omni_patches import registry
+
+    for spec in registry.load([registry.builtin_path()]).specs.values():
+        for target in spec.targets:
+            assert target.partition(".")[0] in engine.WAKE_ON, f"{spec.id}: {target} would not wake the shim"
+
+
+def test_overlay_targets_wake_the_shim(shim, monkeypatch):
+    monkeypatch.setattr(engine, "WAKE_ON", frozenset(("vllm",)))
+    shim.omni()
+    overlay = shim.registry(entry(), name="extra.toml")
+    shim.env(OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=str(overlay))
+    omni_patches.activate()
+    assert "wrapt.importer" not in sys.modules or engine._state.started is False
+    import fakeomni.loader
+
+    assert fakeomni.loader.compute(3) == 6
+
+
+def test_registry_is_not_read_before_a_target_is_imported(shim, monkeypatch):
+    shim.omni()
+    shim.registry(entry())
+    shim.env(OMNI_PATCHES="1")
+    calls = []
+    from omni_patches import registry
+
+    real = registry.load
+    monkeypatch.setattr(registry, "load", lambda *a, **k: calls.append(a) or real(*a, **k))
+    omni_patches.activate()
+    assert calls == [] and engine._state.started is False
+    import fakeomni.loader  # noqa: F401
+
+    assert len(calls) == 1 and engine._state.started is True
 
 
 def test_target_already_imported_is_patched_at_once(shim):

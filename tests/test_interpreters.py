@@ -1,0 +1,144 @@
+"""Real interpreters: a fresh venv with the project pip-installed, its .pth acting at start-up."""
+import shutil
+import textwrap
+
+import pytest
+
+from support import fakes
+from support.venvs import make_venv, run, site_packages
+
+pytestmark = pytest.mark.venv
+
+CHILD_PROBE = '''
+import multiprocessing as mp
+
+def probe(q):
+    import sys
+    import fakeomni.loader
+    q.put((fakeomni.loader.compute(3), "omni_patches.engine" in sys.modules))
+
+def run(method):
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=probe, args=(q,))
+    p.start()
+    result = q.get(timeout=60)
+    p.join(60)
+    return result, p.exitcode
+'''
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    """One non-editable install shared by the module; fake target + fake patches live in its site-packages."""
+    root = tmp_path_factory.mktemp("venv")
+    python = make_venv(root / "env")
+    site = site_packages(python)
+    fakes.fake_omni(site, "0.28.0")
+    shutil.copytree(fakes.__file__.rsplit("/support/", 1)[0] + "/fakepatches", site / "fakepatches")
+    (site / "childprobe.py").write_text(CHILD_PROBE)
+    registry = root / "fake.toml"
+    registry.write_text(fakes.registry_text(fakes.entry()))
+    boom = root / "boom.toml"
+    boom.write_text(fakes.registry_text(fakes.entry("fake-boom", module="fakepatches.boom")))
+    broken = root / "broken.toml"
+    broken.write_text("[[patch]\n")
+    return {"python": python, "site": site, "registry": str(registry), "boom": str(boom), "broken": str(broken)}
+
+
+def test_installed_layout(venv):
+    site = venv["site"]
+    assert (site / "omni_patches.pth").is_file()
+    assert (site / "omni_patches" / "patches.toml").is_file(), "the installed package must carry the registry"
+    assert (site / "omni_patches.pth").read_text().count("\n") == 1
+
+
+def test_unset_imports_nothing(venv):
+    for value in (None, "0", "off"):
+        out = run(venv["python"], "import sys; print(sorted(m for m in sys.modules if m.startswith('omni')))",
+                  OMNI_PATCHES=value)
+        assert out.returncode == 0 and out.stdout.strip() == "[]", out
+
+
+def test_set_is_lazy_then_patches_on_import(venv):
+    code = textwrap.dedent("""
+        import sys
+        heavy = [m for m in ("wrapt", "packaging", "importlib.metadata", "omni_patches.gates", "torch") if m in sys.modules]
+        assert "omni_patches.engine" in sys.modules, "not activated"
+        assert not heavy, heavy
+        import fakeomni.loader
+        assert "wrapt" in sys.modules
+        print(fakeomni.loader.compute(3))
+    """)
+    out = run(venv["python"], code, OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["registry"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6"
+    assert "fake-double: applied to fakeomni.loader" in out.stderr
+
+
+def test_python_S_disables_it(venv):
+    out = run(venv["python"], "import sys; print('omni_patches' in sys.modules)", "-S", OMNI_PATCHES="1")
+    assert out.stdout.strip() == "False", out
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_children_are_patched(venv, method):
+    code = f"import childprobe; print(childprobe.run({method!r}))"
+    out = run(venv["python"], code, OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["registry"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "((6, True), 0)"
+
+
+def test_broken_registry_does_not_stop_the_interpreter(venv):
+    out = run(venv["python"], "import fakeomni.loader as m; print(m.compute(3))",
+              OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["broken"])
+    assert out.returncode == 0 and out.stdout.strip() == "3", out
+    assert "cannot read registry" in out.stderr
+
+
+def test_raising_patch_does_not_stop_the_import(venv):
+    out = run(venv["python"], "import fakeomni.loader as m; print(m.compute(3))",
+              OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["boom"])
+    assert out.returncode == 0 and out.stdout.strip() == "3", out
+    assert "fake-boom: failed" in out.stderr and out.stderr.count("boom from a broken patch") >= 1
+
+
+def test_strict_mode_fails_the_import(venv):
+    out = run(venv["python"], "import fakeomni.loader", OMNI_PATCHES="1", OMNI_PATCHES_STRICT="1",
+              OMNI_PATCHES_CONFIG=venv["boom"])
+    assert out.returncode != 0 and "RuntimeError: boom from a broken patch" in out.stderr
+
+
+def test_invalid_master_value_warns_and_stays_off(venv):
+    out = run(venv["python"], "import sys, fakeomni.loader as m; print(m.compute(3), 'omni_patches.engine' in sys.modules)",
+              OMNI_PATCHES="perhaps", OMNI_PATCHES_CONFIG=venv["registry"])
+    assert out.stdout.strip() == "3 False", out
+    assert "'perhaps'" in out.stderr
+
+
+def test_cli_entry_points(venv):
+    exe = venv["python"].parent / "omni-patches"
+    import subprocess
+
+    from support.venvs import clean_env
+
+    out = subprocess.run([str(exe), "status", "--json"], capture_output=True, text=True,
+                         env=clean_env(OMNI_PATCHES_CONFIG=venv["registry"]))
+    assert out.returncode == 0, out.stderr
+    assert '"fake-double"' in out.stdout and '"pending"' in out.stdout
+    out = subprocess.run([str(venv["python"]), "-m", "omni_patches", "doctor"], capture_output=True, text=True,
+                         env=clean_env(OMNI_PATCHES_CONFIG=venv["registry"]))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ready" in out.stdout
+
+
+def test_editable_install_also_activates(tmp_path):
+    python = make_venv(tmp_path / "env", editable=True)
+    site = site_packages(python)
+    assert (site / "omni_patches.pth").is_file()
+    fakes.fake_omni(site, "0.28.0")
+    shutil.copytree(fakes.__file__.rsplit("/support/", 1)[0] + "/fakepatches", site / "fakepatches")
+    reg = tmp_path / "fake.toml"
+    reg.write_text(fakes.registry_text(fakes.entry()))
+    out = run(python, "import fakeomni.loader as m; print(m.compute(3))", OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=str(reg))
+    assert out.stdout.strip() == "6", out
