@@ -114,6 +114,8 @@ def _overlay_top_levels():
     if not paths:
         return set()
     reg = registry.load(paths)
+    if reg.errors:  # say so now: a broken overlay may mean nothing ever wakes the shim
+        _report_registry(reg)
     return _top_levels(t for spec in reg.specs.values() for t in spec.targets)
 
 

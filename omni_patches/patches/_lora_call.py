@@ -1,0 +1,83 @@
+"""Shared by ``lora_accel_delta`` and ``lora_cpu_fused_delta`` (not a patch itself).
+
+Both patches work the same way on ``vllm_omni.diffusion.lora.loader``: a wrapper around the two
+``LoraLoaderMixin`` classmethods opens a per-call context (a contextvar, so threads and nested
+calls never see each other's), and a replacement of the module-level ``_prepare_lora_delta`` -- which
+the classmethods look up as a global on every parameter -- consults it. The loop itself stays
+upstream's: key matching (0.28's substring rule vs 0.29+'s ``endswith``), used-key bookkeeping and
+logging are never re-implemented here.
+"""
+import contextvars
+import inspect
+
+# lora-accel-delta's per-call state (a _Call) or None; lora-cpu-fused-delta reads it to leave the
+# parameters that accel routes to a device alone.
+ACCEL = contextvars.ContextVar("omni_patches_lora_accel", default=None)
+FUSED = contextvars.ContextVar("omni_patches_lora_fused", default=None)
+
+CLASSMETHODS = ("load_lora_into_module", "unload_module_lora")
+CLASSMETHOD_PARAMS = ("state_dict", "module", "prefix", "lora_a_suffix", "lora_b_suffix", "lora_bias_suffix")
+PREPARE = "_prepare_lora_delta"
+PREPARE_PARAMS = ("lora_state_dict", "base_key", "param_to_weight_names", "is_bias", "lora_a_suffix",
+                  "lora_b_suffix", "lora_bias_suffix")
+
+
+class _Call:
+    """One load/unload call: its parameters by name (as the loop names them) and the compute device."""
+
+    __slots__ = ("params", "device")
+
+    def __init__(self, params, device=None):
+        self.params, self.device = params, device
+
+
+class Binder:
+    """Finds arguments by name in ``(args, kwargs)`` of a call, using positions read once from a signature."""
+
+    def __init__(self, func, *names, skip_first=False):
+        params = list(inspect.signature(getattr(func, "__func__", func)).parameters.values())
+        if skip_first:
+            params = params[1:]  # cls: wrapt hands classmethod wrappers the args without it
+        self.pos = {p.name: i for i, p in enumerate(params)}
+        self.default = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+    def get(self, args, kwargs, name):
+        i = self.pos[name]
+        if i < len(args):
+            return args[i]
+        if name in kwargs:
+            return kwargs[name]
+        return self.default.get(name)
+
+    def swap(self, args, kwargs, name, value):
+        """``(args, kwargs)`` with argument ``name`` replaced by ``value``."""
+        i = self.pos[name]
+        if i < len(args):
+            args = args[:i] + (value,) + args[i + 1:]
+        else:
+            kwargs = {**kwargs, name: value}
+        return args, kwargs
+
+
+def check_loader(ctx):
+    """Drift checks both patches share: the shape of the loop they hook into."""
+    mixin = ctx.resolve("LoraLoaderMixin")
+    for name in CLASSMETHODS:
+        raw = ctx.resolve(f"LoraLoaderMixin.{name}")
+        if not isinstance(raw, classmethod) and not isinstance(getattr(raw, "__wrapped__", None), classmethod):
+            ctx.drift(f"LoraLoaderMixin.{name} is no longer a classmethod")
+        ctx.require_params(getattr(mixin, name), *CLASSMETHOD_PARAMS, label=f"LoraLoaderMixin.{name}")
+        # The hook point: the loop must still look _prepare_lora_delta up as a module global.
+        code = getattr(getattr(getattr(mixin, name), "__func__", None), "__code__", None)
+        if code is not None and PREPARE not in code.co_names:
+            ctx.drift(f"LoraLoaderMixin.{name} no longer calls {PREPARE}")
+    ctx.require_params(ctx.resolve(PREPARE), *PREPARE_PARAMS, label=PREPARE)
+
+
+def param_map(module, prefix):
+    """``{name: parameter}`` named exactly as upstream's loop names them (``named_parameters(prefix)``)."""
+    return dict(module.named_parameters(prefix))
+
+
+def param_for(call, base_key, is_bias):
+    return call.params.get(base_key + (".bias" if is_bias else ".weight"))

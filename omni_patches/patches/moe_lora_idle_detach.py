@@ -1,0 +1,144 @@
+"""moe-lora-idle-detach: detach the MoE-LoRA context from Ascend MoE runners while no adapter is active
+
+Fixes:       vllm-omni 0.32.0rc1's DiffusionLoRAManager leaves the MoE-LoRA context attached to every MoE
+             runner once an adapter has been used: after deactivation, idle max-rank growth (republishes),
+             a failed activation (rollback), remove_adapter() and close() (base runners restored with the
+             context still set). Ascend's unquantized MoE path then runs the routing recovery (argsort), the
+             LoRA index all_to_all and both LoRA kernels for a zero delta on every MoE layer of every step:
+             HunyuanImage-3 tp2_cfgp2 e2e 5.43 s -> 7.90 s, model.forward 3.79 -> 6.31 ms. GPU is unaffected.
+Upstream:    https://github.com/vllm-project/vllm-omni (no fix published; report against
+             vllm_omni/diffusion/lora/manager.py) and https://github.com/vllm-project/vllm-ascend/pull/10977
+             (the Ascend MoE-LoRA path that runs whenever a context is present)
+Affected:    vllm-omni >=0.32.0rc1 (the first manager with MoE LoRA); gated on features as well: the manager
+             must have _publish_moe_lora_context and no detach logic of its own (else skipped as fixed upstream)
+How:         wrapt wrappers on the manager's lifecycle methods (__init__, set_active_adapter, add_adapter,
+             remove_adapter, close and the internals they and suspended() call: _activate_adapter,
+             _deactivate_all_adapters, _ensure_max_lora_rank, _replace_layers_with_lora). When the outermost
+             of them returns (or raises), one sync restores the post-condition: no adapter active (or closed)
+             -> set_lora_context(None) on every MoE wrapper's runner that has a callable set_lora_context,
+             including wrappers close() just unwrapped; an adapter active after a detach -> set_mapping(punica)
+             on those wrappers again (the re-arm branch of _activate_adapter never republishes). Runners without
+             set_lora_context (GPU: their kernel needs the context) are never touched. Lifecycle calls are rare,
+             so wrapt's ~0.5 us is irrelevant there; nothing runs per forward. Unapplying republishes the
+             contexts this patch detached on live managers, which is the stock state.
+Remove when: vllm-omni detaches the MoE-LoRA context itself while no adapter is active (or vllm-ascend skips the
+             LoRA work per forward on every supported release) and 0.32.0rc1 is no longer supported
+"""
+import logging
+import re
+import sys
+import weakref
+
+# Every method whose return may change whether an adapter is active or which wrappers exist.
+LIFECYCLE = (
+    "__init__", "set_active_adapter", "add_adapter", "remove_adapter", "close",
+    "_activate_adapter", "_deactivate_all_adapters", "_ensure_max_lora_rank", "_replace_layers_with_lora",
+)
+# Used by the sync (not wrapped): the feature gate.
+REQUIRED = ("_publish_moe_lora_context", "_get_moe_punica_wrapper")
+# A manager that already detaches by itself is fixed upstream.
+_OWN_DETACH = re.compile(r"(detach|unpublish|clear|withdraw|retract|drop)_moe_lora_context")
+_STATE = "_omni_patches_moe_idle"  # per-manager [depth, detached, {id: wrapper seen during the call}]
+_LOG = logging.getLogger("omni_patches")
+
+_detached_managers = weakref.WeakSet()  # for undo: managers whose runners we left without a context
+_warned = set()
+
+
+def check(ctx):
+    cls = ctx.resolve("DiffusionLoRAManager")
+    for name in LIFECYCLE + REQUIRED:
+        ctx.resolve(f"DiffusionLoRAManager.{name}")
+    own = sorted(n for n in vars(cls) if _OWN_DETACH.search(n))
+    if own:
+        ctx.fixed_upstream(f"DiffusionLoRAManager already has {', '.join(own)}")
+    try:
+        import inspect
+
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = ""
+    if "set_lora_context(None" in source:
+        ctx.fixed_upstream("DiffusionLoRAManager already calls set_lora_context(None)")
+
+
+def apply(ctx):
+    for name in LIFECYCLE:
+        ctx.wrap("DiffusionLoRAManager", name, _lifecycle)
+    ctx.on_undo(_republish_all)
+
+
+def _moe_wrappers(mgr):
+    """MoE LoRA wrappers whose runner takes a context via ``set_lora_context`` (Ascend-like)."""
+    mod = sys.modules.get("vllm.lora.layers.fused_moe")
+    moe_cls = getattr(mod, "FusedMoEWithLoRA", None)
+    out = []
+    for layer in list((getattr(mgr, "_lora_modules", None) or {}).values()):
+        if moe_cls is not None and not isinstance(layer, moe_cls):
+            continue
+        if callable(getattr(getattr(layer, "base_layer", None), "set_lora_context", None)):
+            out.append(layer)
+    return out
+
+
+def _lifecycle(wrapped, instance, args, kwargs):
+    if instance is None:  # called through the class with an explicit self: nothing to track
+        return wrapped(*args, **kwargs)
+    state = instance.__dict__.get(_STATE)
+    if state is None:
+        state = instance.__dict__[_STATE] = [0, False, {}]
+    try:
+        for w in _moe_wrappers(instance):  # close() and rollbacks drop wrappers: remember them
+            state[2][id(w)] = w
+    except Exception:
+        pass
+    state[0] += 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        state[0] -= 1
+        if state[0] == 0:
+            _sync(instance, state)
+
+
+def _sync(mgr, state):
+    try:
+        current = _moe_wrappers(mgr)
+        seen = {**state[2], **{id(w): w for w in current}}
+        state[2] = {}
+        active = getattr(mgr, "_active_adapter_id", None) is not None and not getattr(mgr, "_closed", False)
+        if not active:
+            for w in seen.values():
+                w.base_layer.set_lora_context(None)
+            if seen:
+                state[1] = True
+                _detached_managers.add(mgr)
+        elif state[1]:
+            if current:
+                punica = mgr._get_moe_punica_wrapper()
+                for w in current:
+                    w.set_mapping(punica)
+            state[1] = False
+            _detached_managers.discard(mgr)
+    except Exception:  # never break the host's LoRA call for a reason of ours
+        key = type(mgr).__qualname__
+        if key not in _warned:
+            _warned.add(key)
+            _LOG.warning("moe-lora-idle-detach: could not sync the MoE-LoRA context", exc_info=True)
+
+
+def _republish_all():
+    """Undo: give live managers back the contexts we detached (stock behaviour keeps them attached)."""
+    for mgr in list(_detached_managers):
+        state = mgr.__dict__.get(_STATE)
+        try:
+            wrappers = _moe_wrappers(mgr)
+            if wrappers and not getattr(mgr, "_closed", False):
+                punica = mgr._get_moe_punica_wrapper()
+                for w in wrappers:
+                    w.set_mapping(punica)
+        except Exception:
+            _LOG.warning("moe-lora-idle-detach: could not republish on undo", exc_info=True)
+        if state is not None:
+            state[1] = False
+    _detached_managers.clear()
