@@ -115,16 +115,16 @@ def _overlay_top_levels():
         return set()
     reg = registry.load(paths)
     if reg.errors:  # say so now: a broken overlay may mean nothing ever wakes the shim
-        _report_registry(reg)
+        _report_registry(reg, check_env=False)  # the built-in ids are not loaded yet
     return _top_levels(t for spec in reg.specs.values() for t in spec.targets)
 
 
-def _report_registry(reg):
+def _report_registry(reg, check_env=True):
     from . import log
 
     for err in reg.errors:
         log.once(40, ("registry", err), "registry problem: %s", err)
-    for name, close in flags.unknown_names(reg.specs):
+    for name, close in flags.unknown_names(reg.specs) if check_env else ():
         hint = f"; did you mean {close}?" if close else ""
         log.once(30, ("env", name), "unknown variable %s ignored%s", name, hint)
 
