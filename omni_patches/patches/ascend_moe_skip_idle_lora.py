@@ -24,8 +24,10 @@ How:         per forward, while ``lora_context.punica_wrapper.no_lora is True`` 
 Remove when: vllm-ascend checks ``punica_wrapper.no_lora`` (or ``has_lora(ctx)``) before the LoRA branch in
              every release this project supports
 """
+import importlib
 import importlib.util
 import inspect
+import sys
 
 KEY = "_ascend_moe_lora_context"
 _PKG = "vllm_ascend.ops.fused_moe"
@@ -72,36 +74,33 @@ _ARG_BODY = """
 
 def _signature_parts(func):
     """(def parameter list, call argument list, defaults namespace) reproducing ``func``'s signature."""
-    sig = inspect.signature(func)
     params, call, ns = [], [], {}
-    star_done = False
-    for i, p in enumerate(sig.parameters.values()):
+    kinds = inspect.Parameter
+    prev = None
+    for i, p in enumerate(inspect.signature(func).parameters.values()):
+        if prev is kinds.POSITIONAL_ONLY and p.kind is not kinds.POSITIONAL_ONLY:
+            params.append("/")
+        if p.kind is kinds.KEYWORD_ONLY and prev not in (kinds.KEYWORD_ONLY, kinds.VAR_POSITIONAL):
+            params.append("*")
         text = p.name
         if p.default is not p.empty:
             ns[f"_d{i}"] = p.default
             text += f"=_d{i}"
-        if p.kind is p.VAR_POSITIONAL:
-            params.append("*" + p.name)
+        if p.kind is kinds.VAR_POSITIONAL:
+            params.append("*" + text)
             call.append("*" + p.name)
-            star_done = True
-        elif p.kind is p.VAR_KEYWORD:
-            params.append("**" + p.name)
+        elif p.kind is kinds.VAR_KEYWORD:
+            params.append("**" + text)
             call.append("**" + p.name)
-        elif p.kind is p.KEYWORD_ONLY:
-            if not star_done:
-                params.append("*")
-                star_done = True
+        elif p.kind is kinds.KEYWORD_ONLY:
             params.append(text)
             call.append(f"{p.name}={p.name}")
         else:
-            if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(sig.parameters) or
-                                                list(sig.parameters.values())[i + 1].kind is not p.POSITIONAL_ONLY):
-                params.append(text)
-                params.append("/")
-                call.append(p.name)
-                continue
             params.append(text)
             call.append(p.name)
+        prev = p.kind
+    if prev is kinds.POSITIONAL_ONLY:
+        params.append("/")
     return ", ".join(params), ", ".join(call), ns
 
 
@@ -177,19 +176,31 @@ def _source(func):
         return ""
 
 
+def _mlp_module():
+    """moe_mlp if this vllm-ascend has it (imported on demand: the fallback only)."""
+    try:
+        if importlib.util.find_spec(MOE_MLP) is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    return importlib.import_module(MOE_MLP)
+
+
+def _already_skips(func):
+    text = _source(func)
+    return "no_lora" in text or "has_lora(" in text
+
+
 def check(ctx):
     if ctx.target not in (ROUTED_EXPERTS, FUSED_MOE):
         ctx.drift(f"unexpected target {ctx.target}")
-    has = getattr(ctx.module, "has_lora", None)
-    if callable(has) and "no_lora" in _source(has) and "has_lora" in _source(_runner_source_probe(ctx)):
-        ctx.fixed_upstream(f"{ctx.target} already skips on punica_wrapper.no_lora (has_lora)")
-
-
-def _runner_source_probe(ctx):
     layout = _runner_layout(ctx)
-    if layout is None:
-        return None
-    return _method(ctx, layout[0], layout[1])
+    if layout is not None and _already_skips(_method(ctx, layout[0], layout[1])):
+        ctx.fixed_upstream(f"{layout[0]}.{layout[1]} already checks no_lora/has_lora")
+    mlp = sys.modules.get(MOE_MLP)
+    func = getattr(mlp, "unquant_apply_mlp", None)
+    if inspect.isfunction(func) and _already_skips(func):
+        ctx.fixed_upstream("moe_mlp.unquant_apply_mlp already checks no_lora/has_lora")
 
 
 def apply(ctx):
@@ -201,23 +212,17 @@ def apply(ctx):
     if ctx.target == ROUTED_EXPERTS:
         ctx.drift("AscendRoutedExperts has neither forward_impl(*, hidden_states, router_logits, ...) nor "
                   "no_shared_forward_impl(hidden_states, router_logits, ...)")
-    # fused_moe: on main the runner lives in routed_experts (its own target); nothing to do here.
+    # fused_moe on main: the runner lives in routed_experts, which is its own target.
     try:
-        main_layout = importlib.util.find_spec(ROUTED_EXPERTS) is not None
+        if importlib.util.find_spec(ROUTED_EXPERTS) is not None:
+            return
     except (ImportError, ValueError):
-        main_layout = False
-    if main_layout:
-        return
-    mlp = ctx.resolve("moe_mlp", root=__import__(_PKG, fromlist=["moe_mlp"])) if _has_mlp() else None
-    if mlp is not None and _takes(ctx.resolve("unquant_apply_mlp", root=mlp), "lora_context"):
+        pass
+    mlp = _mlp_module()
+    func = getattr(mlp, "unquant_apply_mlp", None)
+    if inspect.isfunction(func) and _takes(func, "lora_context"):
         ctx.replace(mlp, "unquant_apply_mlp", make_arg_skip)
         return
     ctx.drift("no runner method matches (AscendMoERunner.no_shared_forward_impl with the context on "
-              "routed_experts, AscendFusedMoE.forward_impl) and moe_mlp.unquant_apply_mlp takes no lora_context")
-
-
-def _has_mlp():
-    try:
-        return importlib.util.find_spec(MOE_MLP) is not None
-    except (ImportError, ValueError):
-        return False
+              "routed_experts, AscendFusedMoE.forward_impl(hidden_states, router_logits, return_with_event)) "
+              "and moe_mlp.unquant_apply_mlp takes no lora_context")
