@@ -1,10 +1,11 @@
 """setup.cfg holds the metadata; this file exists only to place two start-up files in site-packages.
 
-* ``omni_patches.pth``: the activation line (a no-op unless OMNI_PATCHES is set);
+* ``omni_patches.pth``: the activation line (a no-op unless OMNI_PATCHES is set), and its PEP 829
+  twin ``omni_patches.start`` for Python 3.15+, where import lines in .pth files are deprecated;
 * ``patches.toml`` is copied from the repository root into the package, so the installed package
   carries the registry.
 
-Both regular wheels (``build_py``) and PEP 660 editable wheels (``editable_wheel``) get the .pth.
+Both regular wheels (``build_py``) and PEP 660 editable wheels (``editable_wheel``) get them.
 """
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).parent
 PTH = HERE / "omni_patches" / "omni_patches.pth"
+START = HERE / "omni_patches" / "omni_patches.start"  # PEP 829: Python 3.15+ calls this instead of the .pth line
+STARTUP_FILES = (PTH, START)
 REGISTRY = HERE / "patches.toml"
 
 
@@ -21,11 +24,12 @@ class BuildPy(build_py):
         super().run()
         if getattr(self, "editable_mode", False):
             return  # the package maps to the source tree (registry found there); EditableWheel adds the .pth
-        self.copy_file(str(PTH), str(Path(self.build_lib, PTH.name)), preserve_mode=0)
+        for f in STARTUP_FILES:
+            self.copy_file(str(f), str(Path(self.build_lib, f.name)), preserve_mode=0)
         self.copy_file(str(REGISTRY), str(Path(self.build_lib, "omni_patches", "patches.toml")), preserve_mode=0)
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib, PTH.name))]
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib, f.name)) for f in STARTUP_FILES]
 
 
 cmdclass = {"build_py": BuildPy}
@@ -42,7 +46,8 @@ else:
         def _create_wheel_file(self, bdist_wheel):
             wheel_path = super()._create_wheel_file(bdist_wheel)
 
-            _append_to_wheel(wheel_path, PTH.name, PTH.read_bytes())
+            for f in STARTUP_FILES:
+                _append_to_wheel(wheel_path, f.name, f.read_bytes())
             return wheel_path
 
     cmdclass["editable_wheel"] = EditableWheel

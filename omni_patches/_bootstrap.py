@@ -1,13 +1,24 @@
-"""Entry point of the ``omni_patches.pth`` line (and the PEP 829 ``.start`` file).
+"""Start-up entry points: the ``omni_patches.pth`` line and the PEP 829 ``omni_patches.start`` file.
 
-The .pth line itself already returned early when OMNI_PATCHES is unset or off, so reaching this module
-means the variable holds something: an "on" value activates, anything else warns once and stays off.
-Nothing here may raise: a .pth that raises breaks every interpreter of the environment.
+The .pth line returns before importing anything when OMNI_PATCHES is unset or off, so reaching
+:func:`pth_hook` means the variable holds something: an "on" value activates, anything else warns once
+and stays off. Python 3.15+ ignores the .pth import line because the matching .start file exists and calls
+:func:`start` instead; activation is idempotent, so an interpreter honouring both still activates once.
+Nothing here may raise (unless OMNI_PATCHES_STRICT=1): a start-up hook that raises breaks every
+interpreter of the environment.
 """
 import os
 
+_OFF = ("", "0", "false", "no", "off")
 
-def pth_hook():
+
+def start():
+    """PEP 829 entry point (``omni_patches._bootstrap:start``): same rules as the .pth line."""
+    if os.environ.get("OMNI_PATCHES", "0").strip().lower() not in _OFF:
+        pth_hook(source="start")
+
+
+def pth_hook(source="pth"):
     try:
         from . import flags
 
@@ -17,20 +28,16 @@ def pth_hook():
 
             log.once(30, "master", "%s=%r is not 1/true/yes/on or 0/false/no/off; omni-patches stays off",
                      flags.MASTER, os.environ.get(flags.MASTER))
-            return
-        if value:
+        elif value:
             from .engine import activate
 
-            activate(source="pth")
+            activate(source=source)
     except Exception:
+        if os.environ.get("OMNI_PATCHES_STRICT", "").strip().lower() in ("1", "true", "yes", "on"):
+            raise
         try:
-            from . import flags
-
-            if flags.strict():
-                raise
             from . import log
 
             log.get().exception("omni-patches start-up failed; running unpatched")
         except Exception:
-            if os.environ.get("OMNI_PATCHES_STRICT", "").strip().lower() in ("1", "true", "yes", "on"):
-                raise
+            pass

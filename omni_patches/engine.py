@@ -92,6 +92,7 @@ def activate(*, force=False, source="api"):
             if not force and not flags.master_enabled():
                 return False
             _state = state = _State(None, force, source)
+            _carry_to_ray_workers()
             watched = set(WAKE_ON) | _overlay_top_levels()
             if any(name in sys.modules for name in watched):
                 _start()
@@ -106,6 +107,22 @@ def activate(*, force=False, source="api"):
 
         log.get().exception("activation failed; running unpatched")
         return False
+
+
+RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+
+
+def _carry_to_ray_workers(environ=None):
+    """vLLM's Ray executor copies only some variables to its actors; add ours to its extra prefixes.
+
+    Additive: a user's own prefixes stay, and nothing is added if one already covers OMNI_PATCHES.
+    """
+    import os
+
+    environ = os.environ if environ is None else environ
+    tokens = [t.strip() for t in environ.get(RAY_PREFIXES, "").split(",") if t.strip()]
+    if not any("OMNI_PATCHES".startswith(t) for t in tokens):
+        environ[RAY_PREFIXES] = ",".join([*tokens, "OMNI_PATCHES"])
 
 
 def _overlay_top_levels():

@@ -454,3 +454,49 @@ def test_cli_doctor_fails_on_drift(shim, capsys):
     shim.registry(entry())
     assert cli.main(["doctor", "--json"]) == 1
     assert '"drifted"' in capsys.readouterr().out
+
+
+# -- every process vLLM starts ---------------------------------------------------------------------
+@pytest.mark.parametrize("before,after", [
+    (None, "OMNI_PATCHES"),
+    ("LMCACHE_,MY_", "LMCACHE_,MY_,OMNI_PATCHES"),
+    ("OMNI_", "OMNI_"),  # a user prefix already covers ours
+    ("OMNI_PATCHES", "OMNI_PATCHES"),
+])
+def test_ray_prefixes_are_extended_not_clobbered(before, after):
+    environ = {} if before is None else {engine.RAY_PREFIXES: before}
+    engine._carry_to_ray_workers(environ)
+    assert environ[engine.RAY_PREFIXES] == after
+
+
+def test_activation_sets_ray_prefix(shim):
+    shim.omni()
+    shim.env(VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY="MINE_")
+    _on(shim, entry())
+    import os
+
+    assert os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MINE_,OMNI_PATCHES"
+
+
+def test_plugin_and_pth_activate_once(shim):
+    from omni_patches import _bootstrap, plugin
+
+    shim.omni()
+    shim.registry(entry())
+    shim.env(OMNI_PATCHES="1")
+    _bootstrap.pth_hook()
+    plugin.register()
+    _bootstrap.start()
+    assert engine._state.sources == ["pth", "vllm-plugin", "start"]
+    import fakeomni.loader
+
+    assert fakeomni.loader.compute(3) == 6
+
+
+def test_plugin_respects_master_switch(shim):
+    from omni_patches import plugin
+
+    shim.omni()
+    shim.registry(entry())
+    plugin.register()
+    assert not engine.is_active()

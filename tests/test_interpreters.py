@@ -142,3 +142,23 @@ def test_editable_install_also_activates(tmp_path):
     reg.write_text(fakes.registry_text(fakes.entry()))
     out = run(python, "import fakeomni.loader as m; print(m.compute(3))", OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=str(reg))
     assert out.stdout.strip() == "6", out
+
+
+def test_pep829_start_file_activates_once_beside_the_pth(venv):
+    """Python 3.15+ calls the .start entry point instead of the .pth line; where both run, one activation."""
+    site = venv["site"]
+    line = (site / "omni_patches.start").read_text().strip()
+    assert line == "omni_patches._bootstrap:start"
+    code = textwrap.dedent(f"""
+        import pkgutil, sys
+        pkgutil.resolve_name({line!r})()        # what site.py does for a .start file
+        import omni_patches.engine as e, fakeomni.loader
+        print(e._state.sources, fakeomni.loader.compute(3))
+    """)
+    out = run(venv["python"], code, OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["registry"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['pth', 'start'] 6"
+    # With the .pth line gone (3.15 ignores it), the .start entry point alone activates.
+    out = run(venv["python"], code, "-S", OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["registry"],
+              PYTHONPATH=str(site))
+    assert out.stdout.strip() == "['start'] 6", out.stderr

@@ -1,0 +1,13 @@
+"""vLLM ``vllm.general_plugins`` entry point.
+
+vLLM loads general plugins in every process it starts (engine core, each worker before its class is
+built), so this reaches processes whose interpreter skipped the .pth (``python -S``, embedded
+interpreters, site-packages without .pth processing). Same rules as the .pth: OMNI_PATCHES decides, and
+activation twice (.pth and plugin) wraps once. ``VLLM_PLUGINS`` can leave it out by name (``omni_patches``).
+"""
+
+
+def register():
+    from ._bootstrap import pth_hook
+
+    pth_hook(source="vllm-plugin")
