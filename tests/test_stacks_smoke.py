@@ -10,7 +10,10 @@ import textwrap
 
 import pytest
 
-from tests.support.stacks import SUPPORTED, stack_python
+try:
+    from tests.support.stacks import SUPPORTED, stack_python
+except ImportError:  # tests/ itself on sys.path (pytest rootdir-less prepend mode)
+    from support.stacks import SUPPORTED, stack_python
 
 pytestmark = pytest.mark.stack
 

@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -171,6 +172,16 @@ def _site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
+def _install_shim(python: Path) -> None:
+    """Write the lazy torchvision op-schema shim into the venv's site-packages (see module doc)."""
+    site = _site_packages(python)
+    (site / f"{_TVFIX_MODULE}.py").write_text(_TVFIX_SOURCE)
+    # Precompile: with PYTHONDONTWRITEBYTECODE=1 the module would be recompiled at every start (~1.4 ms).
+    subprocess.run([str(python), "-c", f"import py_compile; py_compile.compile({str(site / (_TVFIX_MODULE + '.py'))!r},"
+                    " doraise=True)"], check=True, capture_output=True)
+    (site / f"{_TVFIX_MODULE}.pth").write_text(_TVFIX_PTH)
+
+
 def _build(omni_version: str, venv: Path, log_path: Path) -> None:
     vllm_version, pins = RECIPES[omni_version]
     python = _venv_python(venv)
@@ -185,9 +196,7 @@ def _build(omni_version: str, venv: Path, log_path: Path) -> None:
         _run(pip + ["--no-deps", f"vllm-omni=={omni_version}"], log, env=env)
         _run(pip + pins, log, env=env)
         _run([str(python), "-m", "pip", "uninstall", "-y", *_UNINSTALL], log, env=env)
-        site = _site_packages(python)
-        (site / f"{_TVFIX_MODULE}.py").write_text(_TVFIX_SOURCE)
-        (site / f"{_TVFIX_MODULE}.pth").write_text(_TVFIX_PTH)
+        _install_shim(python)
         # Guard against a resolver that swapped CPU torch for a CUDA build.
         _run([str(python), "-c",
               "import importlib.metadata as m; v = m.version('torch'); print('torch', v);"
@@ -226,10 +235,20 @@ def stack_python(omni_version: str) -> Path:
 
 
 def install_project(python: Path, project_root: Path) -> None:
-    """Install the project (non-editable, no deps) into the venv of ``python``."""
-    cmd = [str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
-           str(project_root)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    """Install the project (non-editable, no deps, forced) into the venv of ``python``.
+
+    Built from a clean copy of the tree: an in-tree setuptools build reuses ``build/lib``, which
+    keeps modules deleted from the source and would ship them.
+    """
+    project_root = Path(project_root).resolve()
+    with tempfile.TemporaryDirectory(prefix="omni-patches-src-") as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(project_root, src, ignore=shutil.ignore_patterns(
+            ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".benchmarks", ".venv*"))
+        cmd = [str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off", str(src)]
+        env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         out = (proc.stdout + proc.stderr).splitlines()[-60:]
         raise RuntimeError(f"installing {project_root} into {python} failed:\n" + "\n".join(out))
