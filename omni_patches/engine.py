@@ -193,7 +193,10 @@ def _start():
 
 
 def _wrapt_finder():
-    import wrapt.importer
+    try:
+        import wrapt.importer
+    except ImportError:  # _start() already logged it; never break the host's import over it
+        return None
 
     for finder in sys.meta_path:
         if isinstance(finder, wrapt.importer.ImportHookFinder):

@@ -34,7 +34,7 @@ class _Call:
 class Binder:
     """Finds arguments by name in ``(args, kwargs)`` of a call, using positions read once from a signature."""
 
-    def __init__(self, func, *names, skip_first=False):
+    def __init__(self, func, *, skip_first=False):
         params = list(inspect.signature(getattr(func, "__func__", func)).parameters.values())
         if skip_first:
             params = params[1:]  # cls: wrapt hands classmethod wrappers the args without it

@@ -82,7 +82,7 @@ def check(ctx):
 
 def apply(ctx):
     mixin = ctx.resolve("LoraLoaderMixin")
-    call_args = lc.Binder(mixin.load_lora_into_module, *lc.CLASSMETHOD_PARAMS)
+    call_args = lc.Binder(mixin.load_lora_into_module, skip_first=True)
     prep_args = lc.Binder(ctx.resolve(lc.PREPARE))
 
     def per_call(wrapped, instance, args, kwargs):

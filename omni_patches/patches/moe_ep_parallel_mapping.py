@@ -1,0 +1,312 @@
+"""moe-ep-parallel-mapping: map diffusion EP onto vLLM TP·PCP·DP (EP = TP·SP·CFG·DP) for MoE models
+
+Fixes:       with expert parallelism on a diffusion MoE model (HunyuanImage-3), vLLM's FusedMoE derives
+             ``ep_size = TP·PCP·DP`` from vLLM's groups (PCP unset = 1, DP = omni's "dp" only), while omni
+             builds vLLM's ``_EP`` over TP·SP·CFG·DP ranks: TP4+SP2+EP on 8 NPUs gives FusedMoE EP=4 on an
+             8-rank EP group and ``RuntimeError: shape '[8, 16]' is invalid for input of size 64``
+             (TP2+SP2+CFG2: EP=2 against 8). After ``destroy_model_parallel()`` vLLM's ``_DP``/``_PP`` still
+             point at destroyed groups.
+Upstream:    https://github.com/vllm-project/vllm-omni/pull/4344 ("[NPU] Fix HunyuanImage3 MoE EP+SP parallel
+             mapping"; adds ``get_expert_parallel_group_ranks`` / ``init_vllm_model_parallel_group``)
+Affected:    vllm-omni >=0.18.0,<0.24.0 (0.24.0rc1 included); fixed upstream in vllm-omni 0.24.0
+How:         only when ``enable_expert_parallel`` is passed AND omni's forward context holds a MoE diffusion
+             config (``is_moe``); otherwise every wrapper calls the original untouched (EP off: no remap;
+             non-MoE + EP: upstream's own "Expert parallelism enabled for a non-MoE model" error).
+             * ``parallel_state.initialize_model_parallel`` is wrapped (wrapt), and so is the worker's own
+               binding (``diffusion_worker`` imports it by name). Before the original runs, the current vLLM
+               config gets ``prefill_context_parallel_size = SP`` and ``data_parallel_size = DP·CFG``; after
+               it, vLLM groups are built with vLLM's ``init_model_parallel_group`` over omni's
+               ``RankGenerator``: ``_PCP`` over "sp", ``_DP`` over "cfg-dp", ``_EP`` over "tp-sp-cfg-dp"
+               (the stock "ep" group is destroyed). Omni's own ``_DP`` is kept. FusedMoE's formula
+               (dp_rank·pcp·tp + pcp_rank·tp + tp_rank) then equals the position in the EP group. The EP
+               ranks are kept in this module (:func:`get_expert_parallel_group_ranks`), never on the target:
+               the upstream feature marker stays meaningful.
+             * ``destroy_model_parallel`` is wrapped: afterwards the groups this patch built are destroyed
+               and cleared, and vLLM's ``_PP`` no longer points at omni's destroyed group; a second init works.
+             * HunyuanImage3 transformer (both module layouts): the module-global ``HunyuanFusedMoE`` binding
+               is wrapped so the MoE block's ``pcp_size=1`` becomes ``pcp_size=None`` (FusedMoE reads it from
+               ``get_pcp_group()``) while the mapping is active; 1 otherwise. No source is rewritten.
+             * NPU ``hunyuan_fused_moe._init_mc2_group_for_diffusion``: while the mapping is active,
+               vllm-ascend's ``_MC2`` is built over the EP ranks instead of dp·tp blocks.
+             Anything the patch cannot understand at call time falls back to the stock call.
+Remove when: the oldest supported vllm-omni is 0.24.0 (``get_expert_parallel_group_ranks`` present).
+"""
+import inspect
+import sys
+
+PATCH_ID = "moe-ep-parallel-mapping"
+_PS = "vllm_omni.diffusion.distributed.parallel_state"
+_WORKER = "vllm_omni.diffusion.worker.diffusion_worker"
+_NPU = "vllm_omni.platforms.npu.models.hunyuan_fused_moe"
+_INIT_PARAMS = ("data_parallel_size", "cfg_parallel_size", "sequence_parallel_size", "ulysses_degree",
+                "ring_degree", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+                "backend")
+_MC2_PARAMS = ("world_size", "data_parallel_size", "tensor_parallel_size", "backend", "local_rank")
+
+
+class _Mapping:
+    """The vLLM groups this patch built for one ``initialize_model_parallel`` call."""
+
+    __slots__ = ("vps", "ep_ranks", "pcp", "dp", "ep")
+
+    def __init__(self, vps, ep_ranks, pcp, dp, ep):
+        self.vps, self.ep_ranks, self.pcp, self.dp, self.ep = vps, ep_ranks, pcp, dp, ep
+
+
+class _State:
+    enabled = False  # False once unapplied: a binding taken by name before the undo passes through
+    mapping = None  # _Mapping while the remap is in force
+
+
+_STATE = _State()
+
+
+def get_expert_parallel_group_ranks():
+    """EP rank groups of the active mapping (one per PP stage), or None when no mapping is active."""
+    m = _active()
+    return None if m is None else [list(g) for g in m.ep_ranks]
+
+
+def _active():
+    m = _STATE.mapping
+    if m is None or getattr(m.vps, "_EP", None) is not m.ep or getattr(m.vps, "_PCP", None) is not m.pcp:
+        return None
+    return m
+
+
+def _log(level, key, msg, *args, **kw):
+    from .. import log
+
+    log.once(level, (PATCH_ID, key), f"{PATCH_ID}: {msg}", *args, **kw)
+
+
+def _alive(group):
+    return group is not None and (getattr(group, "cpu_group", None) is not None
+                                  or getattr(group, "device_group", None) is not None)
+
+
+def _destroy(group):
+    if _alive(group):
+        group.destroy()
+
+
+# -- parallel_state ----------------------------------------------------------------------------------
+def _plan(module, sig, args, kwargs):
+    """Degrees of this call when the remap applies (EP on and a MoE diffusion config), else None."""
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if not a.get("enable_expert_parallel"):
+        return None
+    od_config = getattr(module.get_forward_context(), "omni_diffusion_config", None)
+    if not (od_config and od_config.is_moe):
+        return None  # upstream raises its own error for this
+    sp = a["sequence_parallel_size"]
+    if sp is None:
+        sp = a["ring_degree"] * a["ulysses_degree"]
+    d = {"tp": a["tensor_parallel_size"], "sp": sp, "pp": a["pipeline_parallel_size"],
+         "cfg": a["cfg_parallel_size"], "dp": a["data_parallel_size"], "fs": a.get("fully_shard_degree", 1) or 1,
+         "backend": a["backend"]}
+    if d["tp"] * d["sp"] * d["pp"] * d["cfg"] * d["dp"] == 1:
+        return None  # nothing to map (standalone HSDP or a single rank)
+    return d
+
+
+def _vllm_parallel_config():
+    import vllm.config as vc  # already imported by parallel_state: a dict lookup
+
+    getter = getattr(vc, "get_current_vllm_config_or_none", None)
+    cfg = getter() if getter is not None else vc.get_current_vllm_config()
+    return None if cfg is None else cfg.parallel_config
+
+
+def _set_vllm_config(d):
+    """vLLM PCP = SP, vLLM DP = DP·CFG on the current vLLM config; returns how to restore it."""
+    try:
+        pc = _vllm_parallel_config()
+        if pc is None:
+            return None
+        saved = (pc, pc.prefill_context_parallel_size, pc.data_parallel_size)
+        pc.prefill_context_parallel_size = d["sp"]
+        pc.data_parallel_size = d["dp"] * d["cfg"]
+        return saved
+    except Exception as exc:  # the groups below are what FusedMoE reads; the config is secondary
+        _log(30, "config", "could not update the vLLM parallel config (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def _restore_vllm_config(saved):
+    if saved is not None:
+        pc, pcp, dp = saved
+        pc.prefill_context_parallel_size, pc.data_parallel_size = pcp, dp
+
+
+def _remap(module, d):
+    """Build vLLM _PCP/_DP/_EP over omni's rank layout; destroy the stock _EP. All ranks, same order."""
+    import torch.distributed as dist
+
+    vps = module.vllm_parallel_state
+    world = module.get_world_group()
+    backend = d["backend"] or getattr(getattr(module, "current_omni_platform", None), "dist_backend", None) \
+        or dist.get_backend(world.device_group)
+    gen = module.RankGenerator(d["tp"], d["sp"], d["pp"], d["cfg"], d["dp"], fs=d["fs"], order="tp-sp-pp-cfg-dp")
+    ep_ranks = gen.get_ranks("tp-sp-cfg-dp")
+    built = []
+    try:
+        for token, name in (("sp", "pcp"), ("cfg-dp", "dp"), ("tp-sp-cfg-dp", "ep")):
+            built.append(vps.init_model_parallel_group(gen.get_ranks(token), world.local_rank, backend,
+                                                       group_name=name))
+    except BaseException:
+        for g in built:
+            _destroy(g)
+        raise
+    pcp, dp, ep = built
+    stock_ep = vps._EP
+    vps._PCP, vps._DP, vps._EP = pcp, dp, ep
+    if stock_ep is not None and stock_ep is not ep:
+        _destroy(stock_ep)
+    _STATE.mapping = _Mapping(vps, ep_ranks, pcp, dp, ep)
+    _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), PCP over sp (%d), DP over cfg-dp (%d)",
+         ep.world_size, pcp.world_size, dp.world_size)
+
+
+def _make_init_wrapper(module, sig):
+    def initialize_model_parallel(wrapped, instance, args, kwargs):
+        if not _STATE.enabled:
+            return wrapped(*args, **kwargs)
+        try:
+            d = _plan(module, sig, args, kwargs)
+        except Exception:  # a call shape we do not understand: upstream decides
+            d = None
+        if d is None:
+            return wrapped(*args, **kwargs)
+        saved = _set_vllm_config(d)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException:
+            _restore_vllm_config(saved)
+            raise
+        try:
+            _remap(module, d)
+        except Exception as exc:
+            _restore_vllm_config(saved)
+            _log(40, "remap", "could not build the vLLM EP/PCP/DP groups; stock groups kept (%s: %s)",
+                 type(exc).__name__, exc, exc_info=True)
+        return result
+
+    return initialize_model_parallel
+
+
+def _make_destroy_wrapper(module):
+    def destroy_model_parallel(wrapped, instance, args, kwargs):
+        m = _STATE.mapping
+        if m is None:
+            return wrapped(*args, **kwargs)
+        omni_pp = getattr(module, "_PP", None)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _STATE.mapping = None
+            vps = m.vps
+            for name, group in (("_PCP", m.pcp), ("_DP", m.dp), ("_EP", m.ep)):
+                try:
+                    _destroy(group)
+                except Exception as exc:
+                    _log(30, "destroy" + name, "destroying vLLM %s failed (%s: %s)", name, type(exc).__name__, exc)
+                if getattr(vps, name, None) is group:
+                    setattr(vps, name, None)
+            if omni_pp is not None and getattr(vps, "_PP", None) is omni_pp:
+                vps._PP = None  # omni destroyed it; stock leaves vLLM pointing at it
+
+    return destroy_model_parallel
+
+
+# -- model side ----------------------------------------------------------------------------------------
+def _fused_moe(wrapped, instance, args, kwargs):
+    """``HunyuanFusedMoE(..., pcp_size=1)`` from the MoE block: ``pcp_size=None`` while the mapping is active."""
+    if kwargs.get("pcp_size", None) == 1 and _active() is not None:
+        kwargs = dict(kwargs, pcp_size=None)
+    return wrapped(*args, **kwargs)
+
+
+def _make_mc2_wrapper(module, sig):
+    def _init_mc2_group_for_diffusion(wrapped, instance, args, kwargs):
+        m = _active()
+        if m is None:
+            return wrapped(*args, **kwargs)
+        try:
+            a = sig.bind(*args, **kwargs).arguments
+            import importlib
+
+            vaps = importlib.import_module("vllm_ascend.distributed.parallel_state")  # the original does too
+            make = module.vllm_init_model_parallel_group
+        except Exception:
+            return wrapped(*args, **kwargs)
+        if getattr(vaps, "_MC2", None) is not None:
+            return None
+        vaps._MC2 = make([list(g) for g in m.ep_ranks], a["local_rank"], a["backend"], group_name="mc2")
+        return None
+
+    return _init_mc2_group_for_diffusion
+
+
+# -- entry points --------------------------------------------------------------------------------------
+def check(ctx):
+    if ctx.target == _PS:
+        if ctx.has("get_expert_parallel_group_ranks") or ctx.has("init_vllm_model_parallel_group"):
+            ctx.fixed_upstream(f"{_PS} has get_expert_parallel_group_ranks / init_vllm_model_parallel_group")
+        ctx.require_params(ctx.resolve("initialize_model_parallel"), *_INIT_PARAMS,
+                           label="initialize_model_parallel")
+        ctx.resolve("destroy_model_parallel")
+        ctx.resolve("get_world_group")
+        ctx.resolve("get_forward_context")
+        ctx.require_params(ctx.resolve("RankGenerator"), "tp", "sp", "pp", "cfg", "dp", "fs", "order",
+                           label="RankGenerator")
+        vps = ctx.resolve("vllm_parallel_state")
+        ctx.require_params(ctx.resolve("init_model_parallel_group", vps), "group_ranks", "local_rank", "backend",
+                           "group_name", label="vllm init_model_parallel_group")
+        for name in ("_PCP", "_DP", "_EP", "_PP"):
+            if not ctx.has(name, vps):
+                ctx.drift(f"vllm.distributed.parallel_state has no {name}")
+    elif ctx.target == _WORKER:
+        if _PS not in sys.modules:
+            ctx.drift(f"{_WORKER} no longer imports {_PS}")
+        ctx.require_params(inspect.unwrap(ctx.resolve("initialize_model_parallel")), *_INIT_PARAMS,
+                           label=f"{_WORKER}.initialize_model_parallel")
+    elif ctx.target == _NPU:
+        params = ctx.require_params(ctx.resolve("_init_mc2_group_for_diffusion"), "backend", "local_rank",
+                                    label="_init_mc2_group_for_diffusion")
+        if "group_ranks" in params:
+            ctx.fixed_upstream("_init_mc2_group_for_diffusion already takes group_ranks")
+        ctx.require_params(ctx.resolve("_init_mc2_group_for_diffusion"), *_MC2_PARAMS,
+                           label="_init_mc2_group_for_diffusion")
+        ctx.resolve("vllm_init_model_parallel_group")
+    else:  # a HunyuanImage3 transformer module
+        ctx.resolve("HunYuanSparseMoeBlock")
+        ctx.resolve("HunyuanFusedMoE")
+
+
+def apply(ctx):
+    if ctx.target == _PS:
+        module = ctx.module
+        sig = inspect.signature(ctx.resolve("initialize_model_parallel"))
+        ctx.wrap("", "initialize_model_parallel", _make_init_wrapper(module, sig))
+        ctx.wrap("", "destroy_model_parallel", _make_destroy_wrapper(module))
+        if not ctx.dry_run:
+            _STATE.enabled = True
+
+            def _disable():
+                _STATE.enabled = False
+
+            ctx.on_undo(_disable)
+    elif ctx.target == _WORKER:
+        # Bound by name at import. Imported before the patch: the original (wrap it). After: our wrapper
+        # already, which ctx.wrap leaves alone (one layer per patch).
+        ps = sys.modules[_PS]  # the worker imported it (check() made sure)
+        sig = inspect.signature(inspect.unwrap(ctx.resolve("initialize_model_parallel")))
+        ctx.wrap("", "initialize_model_parallel", _make_init_wrapper(ps, sig))
+    elif ctx.target == _NPU:
+        sig = inspect.signature(ctx.resolve("_init_mc2_group_for_diffusion"))
+        ctx.wrap("", "_init_mc2_group_for_diffusion", _make_mc2_wrapper(ctx.module, sig))
+    else:
+        ctx.wrap("", "HunyuanFusedMoE", _fused_moe)

@@ -1,0 +1,267 @@
+"""In-rank scenarios for tests/test_moe_ep.py (run by :func:`tests.support.ep_world.run_world`).
+
+Real in every rank: omni's ``parallel_state.py`` / ``group_coordinator.py`` (see ep_world), vLLM's
+``parallel_state`` and ``FusedMoEParallelConfig.make`` over gloo, the omni-patches engine and the patch.
+
+Model side (ours around real code): the module ``...hunyuan_image3(_3).hunyuan_image3(_3)_transformer`` is a
+stand-in that holds the REAL ``HunYuanSparseMoeBlock`` class, its source cut out of the wheel's file with
+``ast`` and executed next to small fakes (``ReplicatedLinear``, ``HunYuanMLP``, configs) and a
+``HunyuanFusedMoE`` recorder that computes, like vLLM's ``FusedMoE.__init__``, ``pcp = pcp_size or
+get_pcp_group().world_size`` and the real ``FusedMoEParallelConfig.make``. The real file cannot import
+here (diffusers, torchvision, ...). Likewise ``vllm_omni.platforms.npu.models.hunyuan_fused_moe`` holds the
+REAL ``_init_mc2_group_for_diffusion`` (source from the wheel) with the real vLLM
+``init_model_parallel_group``; ``vllm_ascend.distributed.parallel_state`` is a fake module holding ``_MC2``
+(the real NPU file imports torch_npu/vllm_ascend).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import time
+import types
+from pathlib import Path
+
+PATCH_ID = "moe-ep-parallel-mapping"
+NPU_MOD = "vllm_omni.platforms.npu.models.hunyuan_fused_moe"
+
+
+def activate_patch() -> None:
+    """setup hook: turn omni-patches on in this rank (the registry is the built-in one)."""
+    import omni_patches
+
+    omni_patches.activate(force=True)
+
+
+def transformer_module_name(omni_version: str) -> str:
+    if omni_version.startswith("0.18."):
+        return "vllm_omni.diffusion.models.hunyuan_image_3.hunyuan_image_3_transformer"
+    return "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer"
+
+
+def _real_source(path: Path, name: str) -> str:
+    text = path.read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
+            return ast.get_source_segment(text, node)
+    raise LookupError(f"{name} not found in {path}")
+
+
+def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
+    import torch
+    from torch import nn
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    class PretrainedConfig:  # annotations only
+        pass
+
+    class QuantizationConfig:
+        pass
+
+    class ReplicatedLinear(nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    class HunYuanMLP(nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    class HunyuanFusedMoE:
+        """Recorder standing in for the dispatcher: what FusedMoE would compute from these kwargs."""
+
+        calls: list = []
+
+        def __new__(cls, *, prefix: str = "", **kwargs):
+            import vllm.distributed.parallel_state as vps
+            from vllm.config import get_current_vllm_config
+            from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+            rec = {"pcp_size_arg": kwargs.get("pcp_size", "absent")}
+            try:
+                pcp = kwargs.get("pcp_size")
+                pcp = pcp if pcp is not None else vps.get_pcp_group().world_size
+                cfg = FusedMoEParallelConfig.make(
+                    tp_size_=get_tensor_model_parallel_world_size(), pcp_size_=pcp,
+                    dp_size_=vps.get_dp_group().world_size, sp_size_=1,
+                    vllm_parallel_config=get_current_vllm_config().parallel_config)
+                rec.update(ep_size=cfg.ep_size, ep_rank=cfg.ep_rank, pcp_size=cfg.pcp_size)
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+            HunyuanFusedMoE.calls.append(rec)
+            return None
+
+        @classmethod
+        def make_expert_params_mapping(cls, *args, **kwargs):
+            return []
+
+    rel = Path(*transformer_module_name(module.__omni_version__).split(".")).with_suffix(".py")
+    src = _real_source(omni_root / rel, "HunYuanSparseMoeBlock")
+    module.__dict__.update(torch=torch, nn=nn, get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
+                           PretrainedConfig=PretrainedConfig, QuantizationConfig=QuantizationConfig,
+                           ReplicatedLinear=ReplicatedLinear, HunYuanMLP=HunYuanMLP, HunyuanFusedMoE=HunyuanFusedMoE)
+    exec(compile(src, f"<real HunYuanSparseMoeBlock from {rel}>", "exec"), module.__dict__)
+
+
+def _fill_npu(module: types.ModuleType, omni_root: Path) -> None:
+    import torch
+    from vllm.distributed.parallel_state import init_model_parallel_group
+
+    rel = Path(*NPU_MOD.split(".")).with_suffix(".py")
+    module.__dict__.update(torch=torch, vllm_init_model_parallel_group=init_model_parallel_group)
+    exec(compile(_real_source(omni_root / rel, "_init_mc2_group_for_diffusion"),
+                 f"<real _init_mc2_group_for_diffusion from {rel}>", "exec"), module.__dict__)
+
+
+class _ModelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the model stand-ins (and empty parent packages) without running the real package inits."""
+
+    def __init__(self, omni_root: Path, omni_version: str):
+        self.root, self.version = Path(omni_root), omni_version
+        tf = transformer_module_name(omni_version)
+        self.fill = {tf: _fill_transformer, NPU_MOD: _fill_npu,
+                     "vllm_ascend.distributed.parallel_state": lambda m, root: m.__dict__.update(_MC2=None)}
+        self.packages = set()
+        for name in self.fill:
+            parts = name.split(".")
+            self.packages.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        self.packages -= {"vllm_omni", "vllm_omni.diffusion", "vllm_omni.platforms"}
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.fill:
+            return importlib.machinery.ModuleSpec(name, self, origin=f"moe-ep-standin:{name}")
+        if name in self.packages:
+            return importlib.machinery.ModuleSpec(name, self, origin=f"moe-ep-standin:{name}", is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__spec__.name
+        if name in self.fill:
+            module.__omni_version__ = self.version
+            self.fill[name](module, self.root)
+        else:
+            module.__path__ = []
+
+
+def install_model_standins(omni_version: str) -> None:
+    """Behind wrapt's import-hook finder (so the patch's post-import hooks fire), ahead of the real files."""
+    from tests.support.ep_world import _OmniOverlay
+
+    overlay = next(f for f in sys.meta_path if isinstance(f, _OmniOverlay))
+    platforms = sys.modules.get("vllm_omni.platforms")
+    if platforms is None:
+        platforms = importlib.import_module("vllm_omni.platforms")
+    if not hasattr(platforms, "__path__"):
+        platforms.__path__ = []  # ep_world's stand-in is a plain module; the NPU module lives below it
+    sys.meta_path.insert(sys.meta_path.index(overlay), _ModelFinder(overlay.root, omni_version))
+
+
+def _model_checks(omni_version: str, world_size: int) -> dict:
+    """Build the real HunYuanSparseMoeBlock and call the real _init_mc2_group_for_diffusion, as the runtime does."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    import vllm_omni.diffusion.distributed.parallel_state as ops
+
+    tf = importlib.import_module(transformer_module_name(omni_version))
+    npu = importlib.import_module(NPU_MOD)
+    vaps = importlib.import_module("vllm_ascend.distributed.parallel_state")
+    cfg = SimpleNamespace(num_experts=64, moe_topk=8, intermediate_size=64, moe_intermediate_size=32,
+                          hidden_size=32, use_mixed_mlp_moe=0, num_shared_expert=1, hidden_act="silu")
+    tf.HunyuanFusedMoE.calls.clear()
+    tf.HunYuanSparseMoeBlock(cfg, layer_id=0, prefix="model.layers.0.mlp")
+    out = {"fused_moe": tf.HunyuanFusedMoE.calls[-1] if tf.HunyuanFusedMoE.calls else None,
+           "fused_moe_binding_layers": _layers(tf.__dict__["HunyuanFusedMoE"])}
+    # What stock prepare_hunyuan_fused_moe_runtime() passes.
+    world = ops.get_world_group()
+    vaps._MC2 = None
+    npu._init_mc2_group_for_diffusion(
+        world_size=dist.get_world_size(), data_parallel_size=ops.get_data_parallel_world_size(),
+        tensor_parallel_size=get_tensor_model_parallel_world_size(),
+        backend=dist.get_backend(world.device_group), local_rank=world.local_rank)
+    mc2 = vaps._MC2
+    out["mc2"] = {"ranks": list(mc2.ranks), "world_size": mc2.world_size} if mc2 is not None else None
+    if mc2 is not None:
+        mc2.destroy()
+    vaps._MC2 = None
+    return out
+
+
+def _layers(obj):
+    from omni_patches import wrapping
+
+    return wrapping.installed_by(obj)
+
+
+def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
+    """Several worker-style inits in one world: per phase init -> facts (-> model checks) -> destroy ->
+    after-destroy facts (-> re-init -> facts -> destroy). ``params``: omni_version, phases (list of dicts
+    with tp/sp/cfg/dp/pp/ep/moe/num_experts, optional ``reinit`` and ``model``)."""
+    import omni_patches
+    import vllm.distributed.parallel_state as vps
+
+    import vllm_omni.diffusion.distributed.parallel_state as ops
+    from tests.support.ep_world import _degrees, collect_facts, group_facts, make_od_config
+    from vllm_omni.diffusion.worker import diffusion_worker as dw
+
+    out: dict = {"phases": []}
+    models = any(p.get("model") for p in params["phases"])
+    if models:
+        install_model_standins(params["omni_version"])
+    names = ("_TP", "_PCP", "_DP", "_EP", "_PP")
+    first = True
+    for phase in params["phases"]:
+        rec: dict = {"label": phase.get("label")}
+        out["phases"].append(rec)
+        d = _degrees(phase)
+        worker = dw.DiffusionWorker(rank, make_od_config(world_size, phase))
+        t0 = time.perf_counter()
+        try:
+            worker.init_device(init_dist=first)
+        except Exception as exc:
+            first = False
+            rec["init_error"] = f"{type(exc).__name__}: {exc}"
+            ops.destroy_model_parallel()  # the original raised half-way: clean up for the next phase
+            rec["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+            continue
+        first = False
+        rec["init_s"] = round(time.perf_counter() - t0, 3)
+        with worker.contexts():
+            rec["first"] = collect_facts(d)
+            rec["patch_ep_ranks"] = _patch_ranks()
+            if phase.get("model"):
+                rec["model"] = _model_checks(params["omni_version"], world_size)
+        built = {n: getattr(vps, n, None) for n in names}
+        ops.destroy_model_parallel()
+        rec["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+        rec["built_alive_after_destroy"] = {n: _alive(g) for n, g in built.items()}
+        rec["patch_ep_ranks_after_destroy"] = _patch_ranks()
+        if phase.get("reinit"):
+            worker.init_device(init_dist=False)
+            with worker.contexts():
+                rec["second"] = collect_facts(d)
+            ops.destroy_model_parallel()
+            rec["after_second_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+    st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
+    out["patch"] = None if st is None else {"state": st.state, "reason": st.reason,
+                                            "applied_targets": list(st.applied_targets)}
+    out["worker_binding_layers"] = _layers(dw.__dict__["initialize_model_parallel"])
+    ops.destroy_distributed_env()
+    return out
+
+
+def _alive(g):
+    if g is None:
+        return None
+    return getattr(g, "cpu_group", None) is not None or getattr(g, "device_group", None) is not None
+
+
+def _patch_ranks():
+    mod = sys.modules.get("omni_patches.patches.moe_ep_parallel_mapping")
+    return None if mod is None else mod.get_expert_parallel_group_ranks()
