@@ -1,7 +1,9 @@
-"""``omni-patches status|doctor|list [--json]``: what the shim does (or would do) in this environment."""
+"""``omni-patches status|doctor|list|audit [--json]``: what the shim does (or would do) in this environment."""
 import argparse
 import json
+import os
 import sys
+import time
 
 from . import __version__, engine, flags
 
@@ -32,7 +34,44 @@ def _print(records, as_json, title, errors):
         print(f"registry error: {err}")
 
 
+def cmd_all_processes(args):
+    """Records of every process that applied a patch, from the state directory (proof in production)."""
+    from . import proof
+
+    directory = args.state_dir or proof.state_dir()
+    records = proof.collect(directory)
+    if args.json:
+        json.dump({"omni_patches": __version__, "mode": "status --all-processes", "state_dir": directory,
+                   "processes": records}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0 if records else 1
+    if not records:
+        print(f"no process has recorded an applied patch in {directory} (is OMNI_PATCHES=1 set in the serving "
+              "processes, and OMNI_PATCHES_STATE_DIR the same here?)")
+        return 1
+    ids = []
+    for r in records:
+        ids.extend(i for i in r.get("patches", {}) if i not in ids)
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append((os.path.basename(r["file"]), "-", "-", "unreadable", r["error"], *["-"] * len(ids)))
+            continue
+        patches = r.get("patches", {})
+        rows.append((r.get("pid"), r.get("pgid"), r.get("role"), r["status"],
+                     time.strftime("%H:%M:%S", time.localtime(r.get("updated", 0))),
+                     *[patches.get(i, {}).get("state", "-") for i in ids]))
+    print(f"state dir: {directory}")
+    print(_table(rows, ("pid", "group", "role", "process", "recorded", *ids)))
+    gone = sum(1 for r in records if r["status"] != "running")
+    if gone:
+        print(f"{gone} record(s) of processes that are gone (killed before they could clean up)")
+    return 0
+
+
 def cmd_status(args):
+    if getattr(args, "all_processes", False):
+        return cmd_all_processes(args)
     master = None
     note = None
     if not engine.is_active() and not flags.master_enabled():
@@ -53,6 +92,40 @@ def cmd_doctor(args):
     _print(records, args.json, "doctor", engine.registry_errors())
     bad = [r for r in records if r.enabled and r.state in ("drifted", "failed")]
     return 1 if bad else 0
+
+
+def cmd_audit(args):
+    import time
+
+    from . import audit
+
+    started = time.perf_counter()
+    try:
+        dists = audit.obtain(args.specs, args.wheel, args.source, args.cache)
+        results = audit.run(dists)
+    except audit.AuditError as exc:
+        if args.json:
+            json.dump({"omni_patches": __version__, "mode": "audit", "error": str(exc)}, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print(f"audit: {exc}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - started
+    if args.json:
+        json.dump({"omni_patches": __version__, "mode": "audit", "seconds": round(elapsed, 3),
+                   "distributions": [d.to_dict() for d in dists.values()],
+                   "patches": [r.to_dict() for r in results]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        given = "; ".join(f"{d.name} {d.version} ({d.origin})" for d in dists.values()) or "nothing"
+        print(f"audit of {given} -- read statically, nothing installed or imported")
+        rows = [(r.id, "on" if r.enabled else "off", r.line) for r in results]
+        print(_table(rows, ("patch", "switch", "verdict")))
+        for r in results:
+            for note in r.notes:
+                print(f"  {r.id}: {note}")
+        print(f"({elapsed:.1f} s)")
+    return audit.exit_code(results)
 
 
 def registry_markdown(reg=None):
@@ -95,6 +168,23 @@ def main(argv=None):
         p = sub.add_parser(name, help=text)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
+        if name == "status":
+            p.add_argument("--all-processes", action="store_true",
+                           help="every process of the serving instance that applied a patch (pid, role, states), "
+                                "read from the state directory; dead ones are marked gone")
+            p.add_argument("--state-dir", metavar="DIR",
+                           help="state directory to read (default: $OMNI_PATCHES_STATE_DIR, else the per-user one)")
+    p = sub.add_parser("audit", help="what every patch would do with other versions, read from their wheels "
+                                     "without installing them; non-zero if an enabled patch would drift")
+    p.add_argument("specs", nargs="*", metavar="DIST==VERSION",
+                   help="e.g. vllm-omni==0.30.0 vllm-ascend==0.23.0 (downloaded with pip download --no-deps)")
+    p.add_argument("--wheel", action="append", default=[], metavar="PATH", help="a wheel or sdist (repeatable)")
+    p.add_argument("--source", action="append", default=[], metavar="DIR",
+                   help="unpacked files or a checkout (repeatable); a DIST==VERSION argument names its version")
+    p.add_argument("--cache", metavar="DIR", help="download/unpack cache (default "
+                                                  "$XDG_CACHE_HOME/omni-patches/audit or ~/.cache/omni-patches/audit)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_audit)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         args = parser.parse_args(["status", *(argv or [])])

@@ -263,6 +263,9 @@ def _apply_target(state, patch_id, target, module, *, dry_run=False):
         rt.state = "applied"
         rt.reason = "patched " + ", ".join(rt.applied_targets)
         log.get().info("%s: applied to %s", patch_id, target)
+        from . import proof
+
+        proof.applied(state, patch_id)  # per-process record, INFO line, gauge (never raises)
         return rt.state
 
 

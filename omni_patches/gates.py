@@ -53,17 +53,19 @@ class Decision:
         self.state, self.reason, self.installed, self.enabled = state, reason, installed, enabled
 
 
-def decide(spec, *, master=None, environ=os.environ):
+def decide(spec, *, master=None, environ=os.environ, installed=None):
     """Everything that can be decided before the target is imported.
 
     Returns a Decision whose state is one of failed / skipped:disabled / skipped:absent / skipped:version,
     or ``pending`` when the patch should be applied once its target is imported.
     ``master=None`` reads OMNI_PATCHES; True/False overrides it (the CLI evaluates "as if on").
+    ``installed`` (``{dist: version or None}``) replaces the installed metadata (``omni-patches audit``
+    gates on the versions of downloaded wheels); a dist it does not name counts as not installed.
     """
+    supplied = installed
     installed = {}
     for dist in spec.requires:
-        name, ver = versions.installed(dist)
-        installed[dist] = ver
+        installed[dist] = supplied.get(dist) if supplied is not None else versions.installed(dist)[1]
     enabled, why = flags.patch_switch(spec.id, spec.default, environ)
     if spec.error:
         return Decision(FAILED, spec.error, installed, enabled)

@@ -89,6 +89,37 @@ class Installed:
             delattr(self.owner, self.name)  # the original was inherited: remove our shadowing attribute
 
 
+class Alias(Installed):
+    """A binding that already held this patch's replacement when the patch reached it -- typically a
+    ``from x import f`` executed after ``x.f`` was patched. Undo points it back at the original."""
+
+    __slots__ = ()
+
+    def undo(self):
+        current = vars(self.owner).get(self.name, _MISSING)
+        if current is self.original:
+            return
+        super().undo()
+
+
+def _peel(obj, patch_id):
+    """The object under ``patch_id``'s layer, if that layer is the outermost one of ``obj``; else None."""
+    if isinstance(obj, PatchWrapper):
+        return obj.__wrapped__ if obj._self_patch_id == patch_id else None
+    inner = getattr(obj, "__func__", None)
+    func = inner if inner is not None else obj
+    if getattr(func, "__omni_patch__", None) != patch_id:
+        return None
+    original = func.__wrapped__
+    return type(obj)(original) if inner is not None else original
+
+
+def _already(owner, name, raw, own, patch_id):
+    """``raw`` already carries this patch: nothing to install; record an alias if it is a binding of its own."""
+    original = _peel(raw, patch_id) if own else None
+    return raw, (Alias(owner, name, True, original, raw, patch_id) if original is not None else None)
+
+
 def raw_attribute(owner, name):
     """``(value as stored, stored on owner itself?)`` without triggering descriptor binding."""
     if isinstance(owner, type):
@@ -105,11 +136,13 @@ def raw_attribute(owner, name):
 def wrap(owner, name, wrapper, patch_id):
     """Wrap ``owner.name`` with a wrapt-style ``wrapper(wrapped, instance, args, kwargs)``.
 
-    Returns ``(object now installed, Installed record or None if this patch had already wrapped it)``.
+    Returns ``(object now installed, undo record)``; if this patch's wrapper is already there (a consumer's
+    ``from x import f`` taken after ``x.f`` was wrapped) nothing is installed and the record is an
+    :class:`Alias`, or None when there is nothing of its own to restore.
     """
     raw, own = raw_attribute(owner, name)
     if patch_id in installed_by(raw):
-        return raw, None
+        return _already(owner, name, raw, own, patch_id)
     new = PatchWrapper(raw, wrapper, patch_id)
     setattr(owner, name, new)
     return new, Installed(owner, name, own, raw, new, patch_id)
@@ -119,7 +152,7 @@ def replace(owner, name, make, patch_id):
     """Replace ``owner.name`` with ``make(original_function)``; keeps classmethod/staticmethod kind."""
     raw, own = raw_attribute(owner, name)
     if patch_id in installed_by(raw):
-        return raw, None
+        return _already(owner, name, raw, own, patch_id)
     kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
     func = raw.__func__ if kind else raw
     new_func = make(func)

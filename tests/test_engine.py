@@ -213,6 +213,9 @@ def test_consumer_binding_wrapped_once(shim):
 
     assert fakeomni.consumer.compute(3) == 6
     assert wrapping.installed_by(fakeomni.consumer.compute) == ["fake-double"]
+    # The consumer received the wrapper through its own import; undo must still give it the original.
+    omni_patches.unapply("fake-double")
+    assert fakeomni.consumer.compute(3) == 3 and fakeomni.consumer.compute is fakeomni.loader.compute
 
 
 def test_consumer_imported_before_activation_is_rebound(shim):

