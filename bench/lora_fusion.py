@@ -155,6 +155,8 @@ def child(args):
     print(f"fused/stock time: load {r_time:.3f}, unload {r_unload:.3f} (goal <= 0.35); "
           f"fused GFLOP/s vs bare B @ A: {r_flops:.2f}x (goal >= 1.0)")
     print(f"max |error| vs float64 on {probe['layer']}: stock {probe['stock']:.3g}, fused {probe['fused']:.3g}")
+    if args.quick:
+        print("(--quick: a smoke run; at these shapes per-call overhead dominates, the goals apply to the default run)")
     out.update(ratio_time_load=r_time, ratio_time_unload=r_unload, ratio_gflops_vs_bare=r_flops)
 
     if args.device:

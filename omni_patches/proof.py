@@ -197,19 +197,20 @@ def applied(state, patch_id):
 
 def _update_gauge(patches):
     global _gauge
-    if _gauge is None:
-        pc = sys.modules.get("prometheus_client")
-        if pc is None:
-            import importlib.util
+    pc = sys.modules.get("prometheus_client")
+    if pc is None:
+        import importlib.util
 
-            if importlib.util.find_spec("prometheus_client") is None:
-                return
-            import prometheus_client as pc
-        _gauge = _register(pc)
-        if _gauge is None:
+        if importlib.util.find_spec("prometheus_client") is None:
             return
+        import prometheus_client as pc
+    if _gauge is None or _gauge[0] is not pc.REGISTRY:
+        gauge = _register(pc)
+        if gauge is None:
+            return
+        _gauge = (pc.REGISTRY, gauge)
     for pid, info in patches.items():
-        _gauge.labels(patch=pid).set(1 if info["state"] == "applied" else 0)
+        _gauge[1].labels(patch=pid).set(1 if info["state"] == "applied" else 0)
 
 
 def _register(pc):
