@@ -18,6 +18,7 @@ same logic.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -184,6 +185,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CI smoke: fewer repetitions")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the NPU host path is single-stream)")
+    ap.add_argument("--json", action="store_true", help="also print the key numbers as one JSON line")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     reps, warmup, number, repeat = (10, 2, 20_000, 5) if args.quick else (60, 5, 100_000, 25)
@@ -205,6 +207,11 @@ def main(argv=None):
     over = calls[("no context", "exact-signature replace (patch)")] - bare["no context"]
     print(f"\npatched vs baseline: {gap:+.1f} % (goal within 3 %); patch overhead without context: {over:.0f} ns "
           "(budget 150 ns)")
+    if args.json:
+        print("JSON " + json.dumps({"forward_ms": fwd, "patched_vs_baseline_pct": gap,
+                                    "unpatched_vs_baseline_pct": 100 * (fwd["unpatched, idle adapter"] / base - 1),
+                                    "replace_overhead_ns": over,
+                                    "wrapt_overhead_ns": calls[("no context", "wrapt FunctionWrapper")] - bare["no context"]}))
     return 0
 
 

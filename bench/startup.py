@@ -97,6 +97,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--venv", help="reuse this directory for the venv (created if missing)")
+    ap.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
     args = ap.parse_args(argv)
     tmp = None
     if args.venv and (Path(args.venv) / "env" / "bin" / "python").exists():
@@ -124,6 +125,10 @@ def main(argv=None):
     bare = calls["bare call"]
     for k, v in calls.items():
         print(f"  {k:32s} {v:7.0f} ns  (+{v - bare:.0f} ns)")
+    if args.json:
+        import json
+
+        print("JSON " + json.dumps({"startup_ms": med, "per_call_ns": calls}))
     return med, calls
 
 

@@ -228,14 +228,16 @@ def dists_in(directory, origin, versions_given=None):
             if len(pkgs) != 1:
                 raise AuditError(f"{directory}: no metadata and several packages ({', '.join(sorted(pkgs))}); "
                                  "point --source at a wheel's unpacked files or a single package's checkout")
-            name = next(iter(pkgs)).replace("_", "-")
+            pkg = next(iter(pkgs))
+            named = [n for n in versions_given if pkg in (n.replace("-", "_"), n.replace("-", ""))]
+            name = named[0] if len(named) == 1 else pkg.replace("_", "-")
         if canonical(name) in versions_given:
             version = versions_given[canonical(name)]
         if not version:
             raise AuditError(f"{directory}: cannot tell the version of {canonical(name)}; pass it along, "
                              f"e.g. `omni-patches audit {canonical(name)}==X.Y.Z --source {directory}`")
-        guess = canonical(name).replace("-", "_")
-        found.append(Dist(name, version, root, {guess} & pkgs or pkgs, origin))
+        guesses = {canonical(name).replace("-", "_"), canonical(name).replace("-", "")}
+        found.append(Dist(name, version, root, guesses & pkgs or pkgs, origin))
         return found
     raise AuditError(f"{directory}: no Python package found")
 
@@ -254,7 +256,7 @@ def obtain(specs=(), wheels=(), sources=(), cache=None):
     for path in wheels:
         if not os.path.isfile(path):
             raise AuditError(f"--wheel {path}: no such file")
-        for d in dists_in(unpack(os.path.abspath(path), cache), f"wheel {path}", given):
+        for d in dists_in(unpack(os.path.abspath(path), cache), f"file {path}", given):
             out[d.name] = d
     for path in sources:
         if os.path.isfile(path):

@@ -358,8 +358,10 @@ def status(*, master=None):
         out = []
         for spec in reg.specs.values():
             rt = _state.runtime.get(spec.id) if _state is not None else None
+            changed = ()
             if rt is not None:
                 decision, state, reason, applied = rt.decision, rt.state, rt.reason, tuple(rt.applied_targets)
+                changed = tuple(r.label for r in rt.records if hasattr(r, "label"))
             else:
                 if _state is not None and master is None:
                     master = True if _state.forced else None
@@ -368,7 +370,8 @@ def status(*, master=None):
             out.append(PatchStatus(
                 id=spec.id, env=flags.env_name(spec.id), state=state, reason=reason, summary=spec.summary,
                 default=spec.default, enabled=decision.enabled, requires=dict(spec.requires),
-                installed=dict(decision.installed), targets=tuple(spec.targets), applied_targets=applied))
+                installed=dict(decision.installed), targets=tuple(spec.targets), applied_targets=applied,
+                changed=changed))
         return out
 
 

@@ -24,8 +24,10 @@ class PatchStatus:
     installed: dict = field(default_factory=dict)  # distribution -> installed version or None
     targets: tuple = ()
     applied_targets: tuple = ()
+    changed: tuple = ()  # "module.Class.attr" of every attribute the patch replaced in this process
 
     def to_dict(self):
         d = asdict(self)
-        d["targets"], d["applied_targets"] = list(self.targets), list(self.applied_targets)
+        for key in ("targets", "applied_targets", "changed"):
+            d[key] = list(d[key])
         return d

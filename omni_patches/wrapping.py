@@ -74,7 +74,9 @@ class Installed:
 
     @property
     def label(self):
-        return f"{getattr(self.owner, '__name__', self.owner)}.{self.name}"
+        owner = self.owner
+        where = owner.__name__ if isinstance(owner, type(importlib)) else f"{owner.__module__}.{owner.__qualname__}"
+        return f"{where}.{self.name}"
 
     def undo(self):
         current = vars(self.owner).get(self.name, _MISSING)

@@ -152,6 +152,8 @@ def test_pending_until_imported_then_applied(shim, logs):
 
     st = shim.status()["fake-double"]
     assert st.state == "applied" and st.applied_targets == ("fakeomni.loader",)
+    assert st.changed == ("fakeomni.loader.compute", "fakeomni.loader.Mixin.load", "fakeomni.loader.Mixin.helper",
+                          "fakeomni.loader.Mixin.method")
     assert fakeomni.loader.compute(3) == 6
     assert fakeomni.loader.Mixin.load(1) == ("patched", ("Mixin", 1))
     assert fakeomni.loader.Child.load(1) == ("patched", ("Child", 1))

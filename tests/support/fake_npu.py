@@ -127,7 +127,7 @@ def _is_npu(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == DEVICE
 
 
-def _alloc(size, dtype, stride=None) -> NpuTensor:
+def _alloc(size, dtype, stride=None) -> torch.Tensor:
     if _broken:
         _bump("npu_alloc_failures")
         raise RuntimeError("fake npu (broken mode): device allocation failed")
