@@ -16,7 +16,6 @@ Verdicts: ``would apply``, ``skip: fixed upstream``, ``skip: out of range``, ``d
 import contextlib
 import email.parser
 import fcntl
-import logging
 import os
 import re
 import shutil

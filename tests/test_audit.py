@@ -1,7 +1,6 @@
 """``omni-patches audit``: static verdicts from wheels, never installing or importing upstream code."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile

@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import omni_patches
 from omni_patches import cli, proof
 from support import proof_child
-from support.fakes import entry, registry_text
+from support.fakes import entry
 
 
 def _all_processes(capsys, directory):
@@ -29,11 +28,11 @@ def test_spawned_processes_are_listed_and_a_killed_one_is_gone(shim, tmp_path, m
     for k, v in {"OMNI_PATCHES": "1", "OMNI_PATCHES_CONFIG": str(overlay), "OMNI_PATCHES_STATE_DIR": str(state)}.items():
         monkeypatch.setenv(k, v)
     ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
+    stop = tmp_path / "stop"
     procs, readies = [], []
     for rank in range(4):
         ready = ctx.Event()
-        p = ctx.Process(target=proof_child.serve, args=(ready, stop, "fakeomni.loader"), name=f"VllmWorker-{rank}")
+        p = ctx.Process(target=proof_child.serve, args=(ready, str(stop), "fakeomni.loader"), name=f"VllmWorker-{rank}")
         p.start()
         procs.append(p)
         readies.append(ready)
@@ -62,13 +61,13 @@ def test_spawned_processes_are_listed_and_a_killed_one_is_gone(shim, tmp_path, m
         text = capsys.readouterr().out
         assert "gone" in text and "worker 0" in text and "fake-double" in text
     finally:
-        stop.set()
+        stop.touch()
         for p in procs:
             p.join(30)
             if p.is_alive():  # pragma: no cover
                 p.kill()
     # The others exited normally: atexit removed their records; the killed one's is left, marked gone.
-    left = sorted(f.name for f in state.iterdir())
+    left = sorted(f.name for f in state.iterdir() if f.name != "stop")
     assert left == [f"{victim.pid}.json"]
 
 
@@ -79,7 +78,7 @@ def test_one_info_line_per_process_and_atomic_record(shim, logs, tmp_path, monke
     shim.registry(entry())
     shim.env(OMNI_PATCHES="1")
     omni_patches.activate()
-    import fakeomni.consumer  # noqa: F401  -- applies to both targets: loader, then consumer
+    import fakeomni.consumer  # noqa: F401,E501 -- applies to both targets: loader, then consumer
 
     lines = [m for m in logs.messages(logging.INFO) if m.startswith("process pid=")]
     assert len(lines) == 1, lines
