@@ -143,7 +143,7 @@ def child(args):
     for label, key in (("bare B @ A (same shapes)", "bare"), (f"stock {VERSION} CPU", "stock"),
                        ("lora-cpu-fused-delta", "fused")):
         ld, ul = med[key]
-        cols = f"{label:<28}{ld * 1e3:>10.1f}{(ul * 1e3 if key != 'bare' else float('nan')):>11.1f}"
+        cols = f"{label:<28}{ld * 1e3:>10.1f}" + (f"{ul * 1e3:>11.1f}" if key != "bare" else f"{'-':>11}")
         cols += f"{flops / ld / 1e9:>10.1f}"
         cols += f"{ld / med['stock'][0]:>12.3f}" if key != "bare" else f"{'':>12}"
         cols += f"{med['bare'][0] / ld:>14.2f}" if key != "bare" else f"{'':>14}"
