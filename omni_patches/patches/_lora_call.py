@@ -74,6 +74,24 @@ def check_loader(ctx):
     ctx.require_params(ctx.resolve(PREPARE), *PREPARE_PARAMS, label=PREPARE)
 
 
+def call_scope(var, call_args, device=lambda: None):
+    """wrapt wrapper for the two classmethods: a _Call in ``var`` for the duration of one load/unload."""
+
+    def per_call(wrapped, instance, args, kwargs):
+        try:
+            module = call_args.get(args, kwargs, "module")
+            call = _Call(param_map(module, call_args.get(args, kwargs, "prefix")), device())
+        except Exception:  # a call shape we do not understand: upstream decides what happens
+            return wrapped(*args, **kwargs)
+        token = var.set(call)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            var.reset(token)
+
+    return per_call
+
+
 def param_map(module, prefix):
     """``{name: parameter}`` named exactly as upstream's loop names them (``named_parameters(prefix)``)."""
     return dict(module.named_parameters(prefix))

@@ -85,18 +85,7 @@ def apply(ctx):
     call_args = lc.Binder(mixin.load_lora_into_module, skip_first=True)
     prep_args = lc.Binder(ctx.resolve(lc.PREPARE))
 
-    def per_call(wrapped, instance, args, kwargs):
-        try:
-            module = call_args.get(args, kwargs, "module")
-            call = lc._Call(lc.param_map(module, call_args.get(args, kwargs, "prefix")), _resolve_device())
-        except Exception:  # a call shape we do not understand: upstream decides what happens
-            return wrapped(*args, **kwargs)
-        token = lc.ACCEL.set(call)
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            lc.ACCEL.reset(token)
-
+    per_call = lc.call_scope(lc.ACCEL, call_args, _resolve_device)
     for name in lc.CLASSMETHODS:
         ctx.wrap("LoraLoaderMixin", name, per_call)
 

@@ -228,18 +228,7 @@ def apply(ctx):
     prep_args = lc.Binder(ctx.resolve(lc.PREPARE))
     has_compute_device = "compute_device" in prep_args.pos  # upstream's device logic (0.30.0rc1+)
 
-    def per_call(wrapped, instance, args, kwargs):
-        try:
-            module = call_args.get(args, kwargs, "module")
-            call = lc._Call(lc.param_map(module, call_args.get(args, kwargs, "prefix")))
-        except Exception:  # a call shape we do not understand: upstream decides what happens
-            return wrapped(*args, **kwargs)
-        token = lc.FUSED.set(call)
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            lc.FUSED.reset(token)
-
+    per_call = lc.call_scope(lc.FUSED, call_args)
     for name in lc.CLASSMETHODS:
         ctx.wrap("LoraLoaderMixin", name, per_call)
 
