@@ -33,9 +33,9 @@ def check_spec(spec):
 def in_range(specifier, version):
     """PEP 440 containment that admits pre-releases inside the range.
 
-    ``packaging`` leaves 0.32.0rc1 out of ``>=0.32.0rc1``-less ranges unless asked, and leaves 0.24.0rc1
-    out of ``<0.24.0`` even when asked (PEP 440's exclusive-ordering rule). Gates are about code, not
-    release channels: an rc of 0.24.0 predates 0.24.0, so ``<V`` uses plain ordering here.
+    ``packaging`` leaves pre-releases out unless asked (``prereleases=True``), and even then leaves 0.24.0rc1
+    out of ``<0.24.0`` (PEP 440's exclusive-ordering rule). Gates are about code, not release channels: an
+    rc of 0.24.0 predates 0.24.0, so ``<V`` uses plain version ordering here.
     """
     for s in SpecifierSet(specifier):
         if s.operator == "<":
