@@ -505,3 +505,30 @@ def test_plugin_respects_master_switch(shim):
     shim.registry(entry())
     plugin.register()
     assert not engine.is_active()
+
+
+@pytest.mark.parametrize("value,level,warns", [("DEBUG", logging.DEBUG, False), ("warning", logging.WARNING, False),
+                                               ("15", 15, False), ("LOUD", logging.INFO, True)])
+def test_log_level_variable(monkeypatch, value, level, warns):
+    from omni_patches import log
+
+    logger = logging.getLogger(log.NAME)
+    saved = (logger.level, list(logger.handlers), logger.propagate, log._configured)
+    monkeypatch.setenv("OMNI_PATCHES_LOG_LEVEL", value)
+    logger.handlers.clear()
+    log._configured = False
+    try:
+        records = []
+        got = log.get()
+        handler = logging.Handler()
+        handler.emit = records.append
+        got.addHandler(handler)
+        assert got.level == level
+        log._configured = False  # configure again with our handler attached to see the warning
+        logger.handlers[:] = [handler]
+        log.get()
+        assert any("is not a logging level" in r.getMessage() for r in records) is warns
+    finally:
+        logger.setLevel(saved[0])
+        logger.handlers[:] = saved[1]
+        logger.propagate, log._configured = saved[2], saved[3]
