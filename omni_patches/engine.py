@@ -44,6 +44,7 @@ class _State:
         self.runtime = {}  # id -> _Runtime
         self.order = []  # every undo record, in the order installed, across patches
         self.trigger = None
+        self.ray_prefixes_before = None
 
     @property
     def registry(self):
@@ -92,7 +93,7 @@ def activate(*, force=False, source="api"):
             if not force and not flags.master_enabled():
                 return False
             _state = state = _State(None, force, source)
-            _carry_to_ray_workers()
+            state.ray_prefixes_before = _carry_to_ray_workers()
             watched = set(WAKE_ON) | _overlay_top_levels()
             if any(name in sys.modules for name in watched):
                 _start()
@@ -120,9 +121,20 @@ def _carry_to_ray_workers(environ=None):
     import os
 
     environ = os.environ if environ is None else environ
-    tokens = [t.strip() for t in environ.get(RAY_PREFIXES, "").split(",") if t.strip()]
+    before = environ.get(RAY_PREFIXES)
+    tokens = [t.strip() for t in (before or "").split(",") if t.strip()]
     if not any("OMNI_PATCHES".startswith(t) for t in tokens):
         environ[RAY_PREFIXES] = ",".join([*tokens, "OMNI_PATCHES"])
+    return before
+
+
+def _restore_ray_prefixes(before):
+    import os
+
+    if before is None:
+        os.environ.pop(RAY_PREFIXES, None)
+    else:
+        os.environ[RAY_PREFIXES] = before
 
 
 def _overlay_top_levels():
@@ -341,6 +353,7 @@ def deactivate():
         if _state.trigger is not None and _state.trigger in sys.meta_path:
             sys.meta_path.remove(_state.trigger)
         _state.generation += 1
+        _restore_ray_prefixes(_state.ray_prefixes_before)
         _state = None
 
 

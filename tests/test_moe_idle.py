@@ -14,7 +14,9 @@ import pytest
 from support import fakes
 from support.moe_sandboxes import VLLM_ENV, ascend_dir, omni_manager_dir, run_python
 
-ROOT_ENV = {"OMNI_PATCHES": "1"}
+# Children activate explicitly (activate(force=True)); OMNI_PATCHES stays unset so an installed .pth (the CI
+# venv has the project installed) never patches a run meant to be stock.
+ROOT_ENV = {}
 
 
 def _result(proc):
@@ -31,7 +33,7 @@ LIFECYCLE = """
     import omni_patches
     patched = os.environ["PATCHED"] == "1"
     if patched:
-        assert omni_patches.activate() is True
+        omni_patches.activate(force=True)
     from tests.support import omni_manager as om
     import vllm_omni.diffusion.lora.manager as manager
     status = {s.id: s for s in omni_patches.status()}["moe-lora-idle-detach"].state if patched else "off"
@@ -143,7 +145,7 @@ def test_suspended_and_undo(patched):
 PROBE = """
     import inspect, json, os, sys, types
     import omni_patches
-    assert omni_patches.activate() is True
+    omni_patches.activate(force=True)
     import importlib
     KEY = "_ascend_moe_lora_context"
     mod = importlib.import_module(os.environ["MOD"])
@@ -293,7 +295,7 @@ def test_main_layout_patches_only_routed_experts(tmp_path):
     site = _fake_site(tmp_path, "main")
     code = """
         import json, omni_patches
-        assert omni_patches.activate() is True
+        omni_patches.activate(force=True)
         import vllm_ascend.ops.fused_moe.fused_moe as fm
         st = {s.id: s for s in omni_patches.status()}["ascend-moe-skip-idle-lora"]
         print("RESULT " + json.dumps({"state": st.state, "targets": list(st.applied_targets),

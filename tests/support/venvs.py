@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def clean_env(**extra) -> dict:
     """The calling environment without any OMNI_PATCHES* / PYTHONPATH leaking into the child."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OMNI_PATCHES") and k not in ("PYTHONPATH", "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}
     env.update({k: str(v) for k, v in extra.items() if v is not None})
     return env
 
