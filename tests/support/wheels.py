@@ -18,7 +18,6 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 
 CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
 
@@ -95,4 +94,6 @@ def fetch_or_skip(dist: str, version: str, **kw) -> Path:
     except RuntimeError as exc:  # pragma: no cover - network dependent
         if os.environ.get("CI"):
             raise
+        import pytest  # only here: examples/run_default.py uses this module without pytest installed
+
         pytest.skip(f"cannot fetch {dist}=={version}: {exc}")
