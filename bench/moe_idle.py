@@ -33,6 +33,17 @@ from omni_patches import wrapping  # noqa: E402
 from omni_patches.patches.ascend_moe_skip_idle_lora import KEY, make_skip  # noqa: E402
 
 
+def _grouped_mm(x, w, counts):
+    """Per-expert matmul over rows sorted by expert (what the NPU grouped-matmul kernel does)."""
+    out = torch.empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start:start + n] = x[start:start + n] @ w[e].T
+        start += n
+    return out
+
+
 def lora_delta(ctx, x, topk_ids, order, a_stacked, b_stacked):
     """The LoRA branch: argsort routing recovery + shrink/expand per expert block, masked by enablement."""
     rows = torch.argsort(order)  # expanded_row_idx -> original row (the NPU path's routing recovery)
@@ -71,22 +82,12 @@ class MoELayer(torch.nn.Module):
         order = torch.argsort(ids.reshape(-1), stable=True)
         x = hidden_states.repeat_interleave(self.top_k, 0)[order]
         counts = torch.bincount(ids.reshape(-1), minlength=self.w13.shape[0]).tolist()
-        gate_up = torch.empty(x.shape[0], self.w13.shape[1])
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                gate_up[start:start + n] = x[start:start + n] @ self.w13[e].T
-            start += n
+        gate_up = _grouped_mm(x, self.w13, counts)
         if lc is not None:
             gate_up += lora_delta(lc, x, ids, order, self.lora[0], self.lora[1])
         gate, up = gate_up.chunk(2, -1)
         act = torch.nn.functional.silu(gate) * up
-        down = torch.empty(x.shape[0], self.w2.shape[1])
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                down[start:start + n] = act[start:start + n] @ self.w2[e].T
-            start += n
+        down = _grouped_mm(act, self.w2, counts)
         if lc is not None:
             down += lora_delta(lc, act, ids, order, self.lora[2], self.lora[3])
         out = torch.zeros_like(hidden_states)
