@@ -250,11 +250,9 @@ FAKE_RUNNER = '''
 
 
 def _fake_site(tmp_path, layout):
+    files = {"vllm_ascend/__init__.py": "", "vllm_ascend/ops/__init__.py": "", "vllm_ascend/ops/fused_moe/__init__.py": ""}
     if layout == "main":
-        files = {
-            "vllm_ascend/__init__.py": "",
-            "vllm_ascend/ops/__init__.py": "",
-            "vllm_ascend/ops/fused_moe/__init__.py": "",
+        files |= {
             "vllm_ascend/ops/fused_moe/routed_experts.py": FAKE_RUNNER.format(
                 cls="AscendRoutedExperts", holder="self", method="forward_impl",
                 params="self, *, hidden_states, router_logits, input_ids=None"),
@@ -262,10 +260,7 @@ def _fake_site(tmp_path, layout):
         }
         version = "0.26.1.dev123+g182b75ea"  # a source install of main: the gate must admit it
     else:
-        files = {
-            "vllm_ascend/__init__.py": "",
-            "vllm_ascend/ops/__init__.py": "",
-            "vllm_ascend/ops/fused_moe/__init__.py": "",
+        files |= {
             "vllm_ascend/ops/fused_moe/fused_moe.py": FAKE_RUNNER.format(
                 cls="AscendMoERunner", holder="self.routed_experts", method="no_shared_forward_impl",
                 params="self, hidden_states, router_logits, return_with_event=False"),

@@ -97,5 +97,13 @@ def param_map(module, prefix):
     return dict(module.named_parameters(prefix))
 
 
+def current(var, prep_args, args, kwargs):
+    """``(call, parameter)`` this ``_prepare_lora_delta`` call is about, inside a ``var`` scope; else Nones."""
+    call = var.get()
+    if call is None:
+        return None, None
+    return call, param_for(call, prep_args.get(args, kwargs, "base_key"), prep_args.get(args, kwargs, "is_bias"))
+
+
 def param_for(call, base_key, is_bias):
     return call.params.get(base_key + (".bias" if is_bias else ".weight"))

@@ -91,11 +91,7 @@ def apply(ctx):
 
     def make(original):
         def _prepare_lora_delta(*args, **kwargs):
-            call = lc.ACCEL.get()
-            if call is None:
-                return original(*args, **kwargs)
-            param = lc.param_for(call, prep_args.get(args, kwargs, "base_key"),
-                                 prep_args.get(args, kwargs, "is_bias"))
+            call, param = lc.current(lc.ACCEL, prep_args, args, kwargs)
             if param is None:
                 return original(*args, **kwargs)
             on_cpu = param.device.type == "cpu"

@@ -234,11 +234,7 @@ def apply(ctx):
 
     def make(original):
         def _prepare_lora_delta(*args, **kwargs):
-            call = lc.FUSED.get()
-            if call is None:
-                return original(*args, **kwargs)
-            param = lc.param_for(call, prep_args.get(args, kwargs, "base_key"),
-                                 prep_args.get(args, kwargs, "is_bias"))
+            _, param = lc.current(lc.FUSED, prep_args, args, kwargs)
             if param is None or param.device.type != "cpu":
                 return original(*args, **kwargs)
             if has_compute_device:
