@@ -360,6 +360,8 @@ def _dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleto
         return Result(spec.id, enabled, ABSENT, "no target file in the given files: " + ", ".join(missing),
                       notes)
     detail = ", ".join(f"{d} {v}" for d, v in decision.installed.items())
+    if rt.found:
+        detail += "; found: " + "; ".join(rt.found)
     if missing:
         notes.append("not in these files (skipped, as at run time): " + ", ".join(missing))
     if external:

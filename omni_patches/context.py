@@ -38,6 +38,15 @@ class PatchContext:
         self.installed = dict(installed)
         self.dry_run = dry_run
         self._sink = sink if sink is not None else []
+        self.found = []  # what ctx.describe() said about this target
+
+    def describe(self, text):
+        """Say which wrap point / layout this target matched, e.g.
+        ``ctx.describe("AscendMoERunner.no_shared_forward_impl (v0.24-v0.26 layout)")``. Shown in
+        ``status`` reasons and ``doctor`` / ``audit`` lines, and used when a source build is decided by
+        features. Call it from ``check`` or ``apply`` (dry runs included)."""
+        if text and text not in self.found:
+            self.found.append(str(text))
 
     # -- reading the target --------------------------------------------------------------------
     def version(self, dist):

@@ -25,13 +25,23 @@ WAKE_ON = frozenset(("vllm", "vllm_omni", "vllm_ascend"))
 class _Runtime:
     """What happened to one patch in this process."""
 
-    __slots__ = ("state", "reason", "applied_targets", "records", "decision")
+    __slots__ = ("state", "reason", "applied_targets", "records", "decision", "found", "notes")
 
     def __init__(self, decision):
         self.decision = decision
         self.state, self.reason = decision.state, decision.reason
         self.applied_targets = []
         self.records = []  # Installed / callback records, in application order
+        self.found = []  # ctx.describe() texts of the targets checked so far (wrap points, layouts)
+        self.notes = {}  # key -> text, set at run time through note() (e.g. a kernel chosen at first use)
+
+    def full_reason(self):
+        """The reason plus what the patch found and noted: what ``status`` shows."""
+        parts = [self.reason]
+        if self.found:
+            parts.append("found: " + "; ".join(self.found))
+        parts.extend(self.notes.values())
+        return "; ".join(p for p in parts if p)
 
 
 class _State:
@@ -267,6 +277,7 @@ def _apply_target(state, patch_id, target, module, *, dry_run=False):
             if flags.strict() and not dry_run:
                 raise
             return rt.state
+        rt.found.extend(f for f in ctx.found if f not in rt.found)
         if dry_run:
             return "ready"
         rt.records.extend(sink)
@@ -361,6 +372,23 @@ def is_active():
     return _state is not None
 
 
+def note(patch_id, text, key=None):
+    """Attach a run-time note to a patch's status (e.g. the kernel a patch chose at first use).
+
+    Shown in ``status`` (reason and ``notes``) and in the process record. Cheap, never raises; a note with
+    the same ``key`` (default: the patch id) replaces the previous one.
+    """
+    try:
+        with _lock:
+            rt = _state.runtime.get(patch_id) if _state is not None else None
+            if rt is None:
+                return False
+            rt.notes[key or patch_id] = str(text)
+        return True
+    except Exception:  # pragma: no cover - a note must never break the caller
+        return False
+
+
 def status(*, master=None):
     """One PatchStatus per registry entry, for this process (or, if not active, for what would happen)."""
     from . import gates
@@ -373,7 +401,7 @@ def status(*, master=None):
             rt = _state.runtime.get(spec.id) if _state is not None else None
             changed = ()
             if rt is not None:
-                decision, state, reason, applied = rt.decision, rt.state, rt.reason, tuple(rt.applied_targets)
+                decision, state, reason, applied = rt.decision, rt.state, rt.full_reason(), tuple(rt.applied_targets)
                 changed = tuple(r.label for r in rt.records if hasattr(r, "label"))
             else:
                 if _state is not None and master is None:
@@ -431,6 +459,8 @@ def doctor():
                     break
             if result == "ready":
                 reason = "checks passed for " + (", ".join(checked) or "nothing")
+                if rt.found:
+                    reason += " (found: " + "; ".join(rt.found) + ")"
                 if unimportable:
                     reason += "; not importable here: " + "; ".join(unimportable)
                 if not checked:

@@ -9,6 +9,9 @@ SETTINGS = {
     "OMNI_PATCHES_STRICT": "1 turns every patch failure into an exception (default: log and run unpatched)",
     "OMNI_PATCHES_LOG_LEVEL": "level of the omni_patches logger (default INFO)",
     "OMNI_PATCHES_STATE_DIR": "per-instance directory where each process records what it patched",
+    "OMNI_PATCHES_ASSUME_VERSION": "dist=version[,dist=version...]: gate on these versions instead of the installed ones",
+    "OMNI_PATCHES_INSTANCE": "serving-instance id carried to every process (set by the first process that activates)",
+    "OMNI_PATCHES_LORA_CPU_FUSED_KERNEL": "auto|addmm|fp32: kernel of lora-cpu-fused-delta (default auto)",
 }
 
 _ON = frozenset(("1", "true", "yes", "on"))
