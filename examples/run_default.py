@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # support.* and omni_patches (for its index client)
 
 from support.stacks import SUPPORTED, install_project, stack_python  # noqa: E402
 

@@ -18,6 +18,8 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from omni_patches import index
+
 
 CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
 
@@ -45,14 +47,22 @@ def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | 
         tmp = dest.with_name(dest.name + ".part")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "-d", str(tmp), f"{dist}=={version}"]
         if sdist:
-            cmd[4:4] = ["--no-binary", ":all:", "--no-build-isolation"]
-        env = {**os.environ, **(extra_env or {})}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            # Straight from the index (PEP 691): pip would have to build the sdist's metadata first, which
+            # vllm-ascend 0.27.1rc1+ cannot do here (and 0.23.x only with setuptools_scm + CANN variables).
+            try:
+                index.download(dist, version, str(tmp), kind="sdist")
+                proc = None
+            except index.IndexLookupError as exc:
+                proc = exc
+        else:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "--only-binary", ":all:",
+                   "-d", str(tmp), f"{dist}=={version}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(extra_env or {})})
         found = sorted(p for p in tmp.glob("*") if p.suffix in (".whl", ".gz", ".zip"))
         if not found:
-            raise RuntimeError(f"pip download {dist}=={version} failed:\n{proc.stdout}\n{proc.stderr}")
+            why = proc if not isinstance(proc, subprocess.CompletedProcess) else f"{proc.stdout}\n{proc.stderr}"
+            raise RuntimeError(f"downloading {dist}=={version} ({'sdist' if sdist else 'wheel'}) failed:\n{why}")
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
         return dest / found[0].name
@@ -97,3 +107,13 @@ def fetch_or_skip(dist: str, version: str, **kw) -> Path:
         import pytest  # only here: examples/run_default.py uses this module without pytest installed
 
         pytest.skip(f"cannot fetch {dist}=={version}: {exc}")
+
+
+def release_root(dist: str, version: str) -> Path:
+    """Unpacked real files of ``dist==version``: its wheel when the index has one for this machine, else its
+    sdist's top directory (fetched from the index directly). vllm-ascend: wheels for 0.23.0, 0.24.0rc1,
+    0.25.1rc1, 0.26.0rc1 (cp311 x86_64); sdists only for 0.23.0.post1 and 0.27.1rc1 and later."""
+    try:
+        return unpacked(dist, version)
+    except RuntimeError:
+        return unpacked(dist, version, sdist=True)
