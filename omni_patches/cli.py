@@ -1,5 +1,6 @@
 """``omni-patches status|doctor|list|audit [--json]``: what the shim does (or would do) in this environment."""
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,16 +23,31 @@ def _table(rows, headers):
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def _print(records, as_json, title, errors):
+def _print(records, as_json, title, errors, env_problems=(), header=None):
     if as_json:
-        json.dump({"omni_patches": __version__, "mode": title, "registry_errors": errors,
-                   "patches": [r.to_dict() for r in records]}, sys.stdout, indent=2)
+        doc = {"omni_patches": __version__, "mode": title, "registry_errors": errors,
+               "environment_problems": list(env_problems), "patches": [r.to_dict() for r in records]}
+        if header:
+            doc["note"] = header
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
+    if header:
+        print(header)
     rows = [(r.id, r.env, _requires(r), r.state, r.reason) for r in records]
     print(_table(rows, ("patch", "switch", "requires", "state", "reason")))
     for err in errors:
         print(f"registry error: {err}")
+    for problem in env_problems:
+        print(f"environment: {problem}")
+
+
+def _environment():
+    """Registry errors and OMNI_PATCHES* problems of this shell (reported by status and doctor)."""
+    from . import registry
+
+    reg = registry.load()
+    return list(reg.errors), engine.environment_problems(reg)
 
 
 def cmd_all_processes(args):
@@ -72,16 +88,16 @@ def cmd_all_processes(args):
 def cmd_status(args):
     if getattr(args, "all_processes", False):
         return cmd_all_processes(args)
-    master = None
-    note = None
-    if not engine.is_active() and not flags.master_enabled():
-        master = True
-        note = (f"{flags.MASTER} is not set in this shell: showing what would happen with {flags.MASTER}=1 "
-                "(targets are not imported here, so patches that would apply show as pending)")
-    records = engine.status(master=master)
-    if note and not args.json:
-        print(note)
-    _print(records, args.json, "status", engine.registry_errors())
+    records = engine.status()
+    errors, env_problems = _environment()
+    header = None
+    if not engine.is_active():
+        header = (f"omni-patches is {engine.inactive_reason()}.\nEvery state is 'inactive'; the reasons say what a "
+                  f"process started with {flags.MASTER}=1 in this environment would do.")
+        if not args.json:  # the header says why once; each row keeps the prediction
+            records = [dataclasses.replace(r, reason=r.reason.partition(engine.INACTIVE_SEP)[2] or r.reason)
+                       for r in records]
+    _print(records, args.json, "status", errors, env_problems, header)
     return 1 if any(r.state == "failed" for r in records) else 0
 
 
@@ -89,9 +105,10 @@ def cmd_doctor(args):
     if not args.json:
         print("doctor: importing every target and dry-running each patch's checks (nothing is wrapped)")
     records = engine.doctor()
-    _print(records, args.json, "doctor", engine.registry_errors())
-    bad = [r for r in records if r.enabled and r.state in ("drifted", "failed")]
-    return 1 if bad else 0
+    errors, env_problems = _environment()
+    _print(records, args.json, "doctor", errors, env_problems)
+    bad = [r for r in records if r.enabled and (r.state in ("drifted", "failed") or r.warnings)]
+    return 1 if bad or errors else 0
 
 
 def cmd_audit(args):
@@ -156,7 +173,7 @@ def cmd_list(args):
     return 1 if reg.errors else 0
 
 
-def main(argv=None):
+def _main(argv=None):
     parser = argparse.ArgumentParser(prog="omni-patches", description=__doc__)
     parser.add_argument("--version", action="version", version=f"omni-patches {__version__}")
     sub = parser.add_subparsers(dest="command")
@@ -185,10 +202,28 @@ def main(argv=None):
                                                   "$XDG_CACHE_HOME/omni-patches/audit or ~/.cache/omni-patches/audit)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_audit)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
-        args = parser.parse_args(["status", *(argv or [])])
+        args, extra = parser.parse_known_args(["status", *argv])
+    if args.func is cmd_audit:  # DIST==VERSION may come anywhere, also after --source DIR
+        args.specs += [e for e in extra if "==" in e and not e.startswith("-")]
+        extra = [e for e in extra if e not in args.specs]
+    if extra:
+        parser.error("unrecognized arguments: " + " ".join(extra))
     return args.func(args)
+
+
+def main(argv=None):
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # `omni-patches ... | head`: the reader left. Point stdout at /dev/null so the interpreter's final
+        # flush does not raise again, and exit without a traceback (Python docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -36,12 +36,8 @@ class _Runtime:
         self.notes = {}  # key -> text, set at run time through note() (e.g. a kernel chosen at first use)
 
     def full_reason(self):
-        """The reason plus what the patch found and noted: what ``status`` shows."""
-        parts = [self.reason]
-        if self.found:
-            parts.append("found: " + "; ".join(self.found))
-        parts.extend(self.notes.values())
-        return "; ".join(p for p in parts if p)
+        """The reason plus how the gate decided, what the patch found and noted: what ``status`` shows."""
+        return "; ".join([self.decision.explain(self.reason, self.found), *self.notes.values()])
 
 
 class _State:
@@ -158,14 +154,56 @@ def _overlay_top_levels():
     return _top_levels(t for spec in reg.specs.values() for t in spec.targets)
 
 
+class StrictModeError(RuntimeError):
+    """OMNI_PATCHES_STRICT=1 and something is wrong: raised into the host program's import."""
+
+
+def environment_problems(reg, environ=None):
+    """What is wrong with the ``OMNI_PATCHES*`` variables of ``environ``, as messages (empty when fine)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    problems = []
+    raw = environ.get(flags.MASTER)
+    if raw is not None and flags.parse(raw) is None:
+        problems.append(f"{flags.MASTER}={raw!r} is not 1/true/yes/on or 0/false/no/off: omni-patches stays off")
+    for name in ("OMNI_PATCHES_STRICT",):
+        if environ.get(name) is not None and flags.parse(environ[name]) is None:
+            problems.append(f"{name}={environ[name]!r} is not an on/off value: treated as off")
+    for pid in reg.specs:
+        name = flags.env_name(pid)
+        if environ.get(name) is not None and flags.parse(environ[name]) is None:
+            problems.append(f"{name}={environ[name]!r} is not an on/off value: {pid} is off")
+    for name, close in flags.unknown_names(reg.specs, environ):
+        problems.append(f"unknown variable {name} ignored" + (f"; did you mean {close}?" if close else ""))
+    if environ.get("OMNI_PATCHES_ASSUME_VERSION"):
+        from . import gates
+
+        assumed, bad = gates.assumed_versions(environ)
+        known = {d for spec in reg.specs.values() for d in spec.requires}
+        bad = [f"OMNI_PATCHES_ASSUME_VERSION: {b}; ignored" for b in bad]
+        bad += [f"OMNI_PATCHES_ASSUME_VERSION names {d}, which no patch gates on; ignored"
+                for d in assumed if d not in known]
+        problems.extend(bad)
+    return problems
+
+
 def _report_registry(reg, check_env=True):
+    """Log every registry and environment problem once; in strict mode raise them all as one error."""
     from . import log
 
     for err in reg.errors:
         log.once(40, ("registry", err), "registry problem: %s", err)
-    for name, close in flags.unknown_names(reg.specs) if check_env else ():
-        hint = f"; did you mean {close}?" if close else ""
-        log.once(30, ("env", name), "unknown variable %s ignored%s", name, hint)
+    env_problems = environment_problems(reg) if check_env else []
+    for problem in env_problems:
+        log.once(30, ("env", problem), "%s", problem)
+    if check_env and flags.strict():
+        from . import gates
+
+        failed = [p for p in (spec.error or gates.check_spec(spec) for spec in reg.specs.values()) if p]
+        problems = [*reg.errors, *failed, *env_problems]
+        if problems:
+            raise StrictModeError("omni-patches (OMNI_PATCHES_STRICT=1): " + " | ".join(problems))
 
 
 def _start():
@@ -197,7 +235,7 @@ def _start():
                 rt = state.runtime[spec.id] = _Runtime(decision)
                 if decision.state != "pending":
                     level = 40 if decision.state == "failed" else 20
-                    log.once(level, ("decision", spec.id), "%s: %s (%s)", spec.id, decision.state, decision.reason)
+                    log.once(level, ("decision", spec.id), "%s: %s (%s)", spec.id, decision.state, decision.explain())
                     continue
                 log.get().debug("%s: waiting for %s", spec.id, ", ".join(spec.targets))
                 for target in spec.targets:
@@ -205,6 +243,7 @@ def _start():
                     wrapt.register_post_import_hook(hook, target)
                     if rt.state != "pending" and rt.state != "applied":
                         break  # an already-imported target drifted or failed: the rest would be undone anyway
+            _log_needs(state)
         except Exception:
             if flags.strict():
                 raise
@@ -289,6 +328,7 @@ def _apply_target(state, patch_id, target, module, *, dry_run=False):
         from . import proof
 
         proof.applied(state, patch_id)  # per-process record, INFO line, gauge (never raises)
+        _log_needs(state)
         return rt.state
 
 
@@ -301,6 +341,7 @@ def _settle(state, rt, sink, new_state, reason, dry_run):
         return
     _undo_records(state, rt)
     rt.state, rt.reason = new_state, reason
+    _log_needs(state)
 
 
 def _undo_records(state, rt):
@@ -389,31 +430,129 @@ def note(patch_id, text, key=None):
         return False
 
 
-def status(*, master=None):
-    """One PatchStatus per registry entry, for this process (or, if not active, for what would happen)."""
-    from . import gates
+INACTIVE_SEP = "; with the shim active: "
+
+
+def inactive_reason(environ=None):
+    """Why the shim is not active in this process (it is not: callers check)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    raw = environ.get(flags.MASTER)
+    value = flags.parse(raw)
+    if value is None:
+        return f"not active in this process: {flags.MASTER}={raw!r} is not an on/off value"
+    if not value:
+        return f"not active in this process: {flags.MASTER} is {'not set' if raw is None else 'off'}"
+    causes = []
+    if sys.flags.no_site:
+        causes.append("the interpreter skipped .pth files (python -S)")
+    elif not _pth_installed():
+        causes.append("omni_patches.pth is not in this interpreter's site-packages")
+    else:
+        causes.append(f"{flags.MASTER} was not set when this interpreter started (the .pth reads it only then)")
+    plugins = environ.get("VLLM_PLUGINS")
+    if plugins is not None and "omni_patches" not in [p.strip() for p in plugins.split(",")]:
+        causes.append(f"vLLM's plugin loader skips omni_patches (VLLM_PLUGINS={plugins!r})")
+    elif "vllm" in sys.modules:
+        causes.append("vLLM's plugin loader has not activated it")
+    return (f"not active in this process although {flags.MASTER}={raw}: " + "; ".join(causes) +
+            " (call omni_patches.activate(), or start the process with it set)")
+
+
+def _pth_installed():
+    import site
+
+    dirs = list(getattr(site, "getsitepackages", lambda: [])()) + [getattr(site, "getusersitepackages", lambda: "")()]
+    import os
+
+    return any(d and os.path.exists(os.path.join(d, "omni_patches.pth")) for d in dirs)
+
+
+def _record(spec, state, reason, decision, applied=(), changed=()):
     from .records import PatchStatus
+
+    return PatchStatus(
+        id=spec.id, env=flags.env_name(spec.id), state=state, reason=reason, summary=spec.summary,
+        default=spec.default, enabled=decision.enabled, requires=dict(spec.requires),
+        installed=dict(decision.installed), targets=tuple(spec.targets), applied_targets=tuple(applied),
+        changed=tuple(changed))
+
+
+_NEEDED_OK = ("applied", "pending", "ready", "skipped:absent")
+
+
+def _needed_problem(rec):
+    """Why ``rec`` (a patch another one needs) leaves that one incorrect here, or None."""
+    if rec.state in _NEEDED_OK or (rec.state == "skipped:version" and "fixed upstream" in rec.reason):
+        return None
+    return f"{rec.state} ({rec.reason})"
+
+
+def _with_needs(reg, records):
+    """Warn on each applied/pending/ready patch whose ``needs`` are off, drifted or out of range here."""
+    import dataclasses
+
+    by_id = {r.id: r for r in records}
+    out = []
+    for rec in records:
+        spec = reg.specs.get(rec.id)
+        warnings = []
+        if spec is not None and rec.state in ("applied", "pending", "ready"):
+            for other in spec.needs:
+                why = _needed_problem(by_id[other]) if other in by_id else "not in the registry"
+                if why:
+                    warnings.append(f"needs {other} on this stack, which is {why}: {rec.id} alone is not correct here")
+        if warnings:
+            rec = dataclasses.replace(rec, warnings=tuple(warnings),
+                                      reason=rec.reason + "; WARNING: " + "; ".join(warnings))
+        out.append(rec)
+    return out
+
+
+def _log_needs(state):
+    """Log once when an applied patch's needed patch ended disabled, drifted, failed or out of range."""
+    from . import log
+
+    for spec in state.registry.specs.values():
+        rt = state.runtime.get(spec.id)
+        if rt is None or rt.state != "applied":
+            continue
+        for other in spec.needs:
+            ort = state.runtime.get(other)
+            if ort is None:
+                continue
+            why = _needed_problem(_record(state.registry.specs[other], ort.state, ort.full_reason(), ort.decision))
+            if why:
+                log.once(30, ("needs", spec.id, other, ort.state), "%s: applied, but it needs %s on this stack, "
+                         "which is %s: the result is not correct here", spec.id, other, why)
+
+
+def status():
+    """One PatchStatus per registry entry, for this process.
+
+    In a process where the shim is not active every patch is ``inactive``: the reason says why, and what the
+    gates would decide with the shim active (never ``pending`` for a patch that cannot apply here).
+    """
+    from . import gates
 
     with _lock:
         reg = _state.registry if _state is not None else registry.load()
         out = []
+        why_inactive = inactive_reason() if _state is None else None
         for spec in reg.specs.values():
             rt = _state.runtime.get(spec.id) if _state is not None else None
-            changed = ()
             if rt is not None:
-                decision, state, reason, applied = rt.decision, rt.state, rt.full_reason(), tuple(rt.applied_targets)
-                changed = tuple(r.label for r in rt.records if hasattr(r, "label"))
-            else:
-                if _state is not None and master is None:
-                    master = True if _state.forced else None
-                decision = gates.decide(spec, master=master)
-                state, reason, applied = decision.state, decision.reason, ()
-            out.append(PatchStatus(
-                id=spec.id, env=flags.env_name(spec.id), state=state, reason=reason, summary=spec.summary,
-                default=spec.default, enabled=decision.enabled, requires=dict(spec.requires),
-                installed=dict(decision.installed), targets=tuple(spec.targets), applied_targets=applied,
-                changed=changed))
-        return out
+                out.append(_record(spec, rt.state, rt.full_reason(), rt.decision, rt.applied_targets,
+                                   (r.label for r in rt.records if hasattr(r, "label"))))
+                continue
+            decision = gates.decide(spec, master=True if _state is None or _state.forced else None)
+            if _state is None:
+                out.append(_record(spec, "inactive", f"{why_inactive}{INACTIVE_SEP}{decision.state} "
+                                   f"({decision.explain()})", decision))
+            else:  # active, heavy half not started yet: nothing imported so far
+                out.append(_record(spec, decision.state, decision.explain(), decision))
+        return _with_needs(reg, out)
 
 
 def registry_errors():
@@ -430,7 +569,6 @@ def doctor():
     import importlib
 
     from . import gates
-    from .records import PatchStatus
 
     deactivate()
     reg = registry.load()
@@ -439,7 +577,7 @@ def doctor():
     for spec in reg.specs.values():
         decision = gates.decide(spec, master=True)
         rt = state.runtime[spec.id] = _Runtime(decision)
-        result, reason = decision.state, decision.reason
+        result, reason = decision.state, decision.explain()
         if decision.state == "pending":
             checked, unimportable = [], []
             result = "ready"
@@ -455,18 +593,13 @@ def doctor():
                 checked.append(target)
                 got = _apply_target(state, spec.id, target, module, dry_run=True)
                 if got != "ready":
-                    result, reason = got, rt.reason
+                    result, reason = got, rt.full_reason()
                     break
             if result == "ready":
-                reason = "checks passed for " + (", ".join(checked) or "nothing")
-                if rt.found:
-                    reason += " (found: " + "; ".join(rt.found) + ")"
+                reason = decision.explain("checks passed for " + (", ".join(checked) or "nothing"), rt.found)
                 if unimportable:
                     reason += "; not importable here: " + "; ".join(unimportable)
                 if not checked:
                     result = "failed"
-        out.append(PatchStatus(
-            id=spec.id, env=flags.env_name(spec.id), state=result, reason=reason, summary=spec.summary,
-            default=spec.default, enabled=decision.enabled, requires=dict(spec.requires),
-            installed=dict(decision.installed), targets=tuple(spec.targets)))
-    return out
+        out.append(_record(spec, result, reason, decision))
+    return _with_needs(reg, out)

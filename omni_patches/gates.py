@@ -1,6 +1,7 @@
 """Decide, without importing any target, whether a patch may apply to what is installed."""
 import importlib.util
 import os
+import re
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -46,11 +47,34 @@ def in_range(specifier, version):
     return True
 
 
-class Decision:
-    __slots__ = ("state", "reason", "installed", "enabled")
+ASSUME = "OMNI_PATCHES_ASSUME_VERSION"
 
-    def __init__(self, state, reason, installed, enabled):
+
+class Decision:
+    """What the gate decided. ``by_features``: "dist X is a source build" texts (the version was not used);
+    ``notes``: other facts worth showing (an assumed version)."""
+
+    __slots__ = ("state", "reason", "installed", "enabled", "by_features", "notes")
+
+    def __init__(self, state, reason, installed, enabled, by_features=(), notes=()):
         self.state, self.reason, self.installed, self.enabled = state, reason, installed, enabled
+        self.by_features, self.notes = list(by_features), list(notes)
+
+    def explain(self, reason=None, found=()):
+        """``reason`` (default the gate's) with the source-build verdict and the notes: what status shows."""
+        parts = [self.reason if reason is None else reason]
+        found = "; ".join(found)
+        if self.by_features:
+            parts.append(", ".join(self.by_features) + ": decided by code features" + (f" ({found})" if found else ""))
+        elif found:
+            parts.append("found: " + found)
+        parts.extend(self.notes)
+        return "; ".join(p for p in parts if p)
+
+
+def assumed_versions(environ=os.environ):
+    """``OMNI_PATCHES_ASSUME_VERSION`` parsed: ``({dist: version}, [problem, ...])``."""
+    return versions.parse_assumed(environ.get(ASSUME))
 
 
 def decide(spec, *, master=None, environ=os.environ, installed=None):
@@ -61,38 +85,60 @@ def decide(spec, *, master=None, environ=os.environ, installed=None):
     ``master=None`` reads OMNI_PATCHES; True/False overrides it (the CLI evaluates "as if on").
     ``installed`` (``{dist: version or None}``) replaces the installed metadata (``omni-patches audit``
     gates on the versions of downloaded wheels); a dist it does not name counts as not installed.
+
+    Versions: ``OMNI_PATCHES_ASSUME_VERSION`` replaces the version of an installed distribution. A source
+    build's version (:func:`omni_patches.versions.source_build`) says nothing about its code, so unless the
+    patch declares ``source_builds = "version"`` its range and ``fixed_in`` are not checked: the patch's own
+    feature checks decide when the target is imported (drifted / fixed upstream / applied).
     """
     supplied = installed
-    installed = {}
+    installed, notes = {}, []
+    assumed, _ = assumed_versions(environ)
     for dist in spec.requires:
-        installed[dist] = supplied.get(dist) if supplied is not None else versions.installed(dist)[1]
+        have = supplied.get(dist) if supplied is not None else versions.installed(dist)[1]
+        want = assumed.get(re.sub(r"[-_.]+", "-", dist).lower())
+        if want is not None and have is not None and want != have:
+            notes.append(f"{dist} {want} assumed ({ASSUME}; installed {have})")
+            have = want
+        installed[dist] = have
     enabled, why = flags.patch_switch(spec.id, spec.default, environ)
+
+    def out(state, reason, by_features=()):
+        return Decision(state, reason, installed, enabled, by_features, notes)
+
     if spec.error:
-        return Decision(FAILED, spec.error, installed, enabled)
+        return out(FAILED, spec.error)
     problem = check_spec(spec)
     if problem:
-        return Decision(FAILED, problem, installed, enabled)
+        return out(FAILED, problem)
     if master is None:
         master = flags.master_enabled(environ)
     if not master:
-        return Decision(DISABLED, f"{flags.MASTER} is off", installed, enabled)
+        return out(DISABLED, f"{flags.MASTER} is off")
     if not enabled:
-        return Decision(DISABLED, why, installed, enabled)
+        return out(DISABLED, why)
+    by_features = []
     for dist, specifier in spec.requires.items():
         ver = installed[dist]
         if ver is None:
-            return Decision(ABSENT, f"{dist} is not installed", installed, enabled)
+            return out(ABSENT, f"{dist} is not installed")
+        untrusted = versions.source_build(ver)
+        if untrusted and spec.source_builds == "features":
+            by_features.append(f"{dist} {ver} {untrusted}")
+            continue
+        hint = (f" ({untrusted}; this patch keeps the version rule: set {ASSUME}={dist}=<release its code "
+                f"matches> to decide)") if untrusted else ""
         try:
             v = versions.comparable(ver)
         except InvalidVersion:
-            return Decision(VERSION, f"{dist} {ver} is not a PEP 440 version", installed, enabled)
+            return out(VERSION, f"{dist} {ver} is not a PEP 440 version{hint}")
         fixed = spec.fixed_in.get(dist)
         if fixed and v >= Version(fixed):
-            return Decision(VERSION, f"fixed upstream in {dist} {fixed} (installed {ver})", installed, enabled)
+            return out(VERSION, f"fixed upstream in {dist} {fixed} (installed {ver}){hint}")
         if not in_range(specifier, v):
-            return Decision(VERSION, f"{dist} {ver} is outside {specifier}", installed, enabled)
+            return out(VERSION, f"{dist} {ver} is outside {specifier}{hint}")
     targets = ", ".join(spec.targets)
-    return Decision(PENDING, f"applies when {targets} is imported", installed, enabled)
+    return out(PENDING, f"applies when {targets} is imported", by_features)
 
 
 __all__ = ["decide", "in_range", "check_spec", "Decision", "APPLIED"]

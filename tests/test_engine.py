@@ -12,6 +12,7 @@ import pytest
 import omni_patches
 from omni_patches import engine, flags, gates, versions, wrapping
 from omni_patches.records import STATES
+from support import fakes
 from support.fakes import FAKE_LOADER, entry
 
 
@@ -43,7 +44,8 @@ def test_master_off_does_nothing(shim):
     import fakeomni.loader
 
     assert fakeomni.loader.compute(3) == 3
-    assert shim.status()["fake-double"].state == "skipped:disabled"
+    st = shim.status()["fake-double"]
+    assert st.state == "inactive" and "not active in this process: OMNI_PATCHES is off" in st.reason
 
 
 def test_invalid_master_warns_once_and_stays_off(shim, logs):
@@ -443,7 +445,9 @@ def test_cli_status_json_and_doctor(shim, capsys):
     shim.registry(entry())
     assert cli.main(["status", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["patches"][0]["state"] == "pending"
+    st = data["patches"][0]
+    assert st["state"] == "inactive" and "with the shim active: pending (applies when fakeomni.loader" in st["reason"]
+    assert "not active in this process: OMNI_PATCHES is not set" in data["note"]
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "ready" in out
@@ -534,3 +538,185 @@ def test_log_level_variable(monkeypatch, value, level, warns):
         logger.setLevel(saved[0])
         logger.handlers[:] = saved[1]
         logger.propagate, log._configured = saved[2], saved[3]
+
+
+# -- source builds and assumed versions (issue 14) -----------------------------------------------------
+SOURCE_BUILDS = ["0.19.1rc2.dev1637+g182b75ea8", "0.0.0", "0.27.0.dev12+gabc"]
+
+
+@pytest.mark.parametrize("version", SOURCE_BUILDS)
+def test_source_build_is_decided_by_features(shim, version):
+    """setuptools_scm versions of a checkout say nothing about its code: the patch's own checks decide."""
+    shim.omni(version)
+    _on(shim, entry())
+    import fakeomni.loader
+
+    st = shim.status()["fake-double"]
+    assert st.state == "applied", st
+    assert f"fake-omni {version} is a source build" in st.reason
+    assert "decided by code features (loader.compute(x, scale))" in st.reason
+    assert fakeomni.loader.compute(3) == 6
+
+
+@pytest.mark.parametrize("version", SOURCE_BUILDS)
+def test_source_build_with_the_fix_in_its_code_skips_as_fixed(shim, version):
+    shim.omni(version, loader=textwrap.dedent(FAKE_LOADER) + "\nALREADY_FIXED = True\n")
+    _on(shim, entry())
+    import fakeomni.loader
+
+    st = shim.status()["fake-double"]
+    assert st.state == "skipped:version" and "fixed upstream" in st.reason and "is a source build" in st.reason
+    assert fakeomni.loader.compute(3) == 3
+
+
+def test_source_build_with_another_shape_is_drifted(shim):
+    shim.omni(SOURCE_BUILDS[0], loader=DRIFTED_LOADER)
+    _on(shim, entry())
+    import fakeomni.loader  # noqa: F401
+
+    st = shim.status()["fake-double"]
+    assert st.state == "drifted" and "is a source build: decided by code features" in st.reason
+
+
+@pytest.mark.parametrize("version,state", [("0.26.0", "skipped:version"), ("0.28.0", "applied"),
+                                           ("0.30.0rc1", "skipped:version")])
+def test_release_versions_keep_the_version_rule(shim, version, state):
+    shim.omni(version)
+    _on(shim, entry())
+    import fakeomni.loader  # noqa: F401
+
+    st = shim.status()["fake-double"]
+    assert st.state == state and "source build" not in st.reason
+
+
+def test_patch_that_keeps_the_version_rule_says_how_to_decide(shim):
+    shim.omni(SOURCE_BUILDS[0])
+    _on(shim, entry(source_builds="version"))
+    st = shim.status()["fake-double"]
+    assert st.state == "skipped:version"
+    assert "is outside" in st.reason and "OMNI_PATCHES_ASSUME_VERSION=fake-omni=" in st.reason
+
+
+@pytest.mark.parametrize("installed,assumed,state", [
+    ("0.19.1rc2.dev1637+g182b75ea8", "0.26.0", "skipped:version"),  # assumed wins over features
+    ("0.28.0", "0.30.0rc1", "skipped:version"),  # ... and over the release number
+    ("0.26.0", "0.28.0", "applied"),
+])
+def test_assumed_version_wins(shim, installed, assumed, state):
+    shim.omni(installed)
+    _on(shim, entry(), OMNI_PATCHES_ASSUME_VERSION=f"fake_omni={assumed}")
+    import fakeomni.loader  # noqa: F401
+
+    st = shim.status()["fake-double"]
+    assert st.state == state and st.installed["fake-omni"] == assumed, st
+    assert f"fake-omni {assumed} assumed (OMNI_PATCHES_ASSUME_VERSION; installed {installed})" in st.reason
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("fake-omni=not.a.version", "'not.a.version' is not a PEP 440 version"),
+    ("fake-omni", "is not DIST=VERSION"),
+    ("vllm-nope=0.1", "names vllm-nope, which no patch gates on"),
+])
+def test_malformed_assumption_is_reported_and_ignored(shim, logs, capsys, value, problem):
+    from omni_patches import cli
+
+    shim.omni("0.28.0")
+    _on(shim, entry(), OMNI_PATCHES_ASSUME_VERSION=value)
+    import fakeomni.loader  # noqa: F401
+
+    assert shim.status()["fake-double"].state == "applied"
+    assert any(problem in m for m in logs.messages(logging.WARNING))
+    cli.main(["status"])
+    assert f"environment: OMNI_PATCHES_ASSUME_VERSION" in capsys.readouterr().out
+
+
+# -- strict mode and status truth (issue 11) --------------------------------------------------------------
+@pytest.mark.parametrize("content,needle", [
+    ("[[patch]\nid = ", "cannot read registry: TOMLDecodeError"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "cannot read registry: UnicodeDecodeError"),
+    (fakes.registry_text(entry("fake-typed", default="yes")), "patch 'fake-typed': key 'default' must be bool"),
+])
+def test_strict_registry_problem_stops_the_import(shim, content, needle):
+    shim.omni()
+    shim.registry(entry())
+    overlay = shim.tmp / "overlay.toml"
+    overlay.write_bytes(content if isinstance(content, bytes) else content.encode())
+    shim.env(OMNI_PATCHES="1", OMNI_PATCHES_STRICT="1", OMNI_PATCHES_CONFIG=str(overlay))
+    omni_patches.activate()  # the .pth's moment: never raises (site would only print it)
+    with pytest.raises(engine.StrictModeError) as err:
+        import fakeomni.loader  # noqa: F401
+    assert str(overlay) in str(err.value) and needle in str(err.value)
+
+
+def test_strict_environment_problem_stops_the_import(shim):
+    shim.omni()
+    _on(shim, entry(), OMNI_PATCHES_STRICT="1", OMNI_PATCHES_FAKE_DUBLE="1")
+    with pytest.raises(engine.StrictModeError, match="unknown variable OMNI_PATCHES_FAKE_DUBLE"):
+        import fakeomni.loader  # noqa: F401
+
+
+def test_non_strict_registry_problem_keeps_running(shim, logs):
+    shim.omni()
+    shim.registry(entry())
+    overlay = shim.tmp / "overlay.toml"
+    overlay.write_bytes(b"\x00\xff\xfe")
+    shim.env(OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=str(overlay))
+    omni_patches.activate()
+    import fakeomni.loader
+
+    assert fakeomni.loader.compute(3) == 6
+    assert any("UnicodeDecodeError" in m for m in logs.messages(logging.ERROR))
+
+
+def test_status_in_an_inactive_process_never_says_pending(shim):
+    """OMNI_PATCHES=1 arrived after start-up and vLLM's plugin loader skips us: inactive, with the reasons."""
+    shim.omni()
+    shim.registry(entry())
+    shim.env(OMNI_PATCHES="1", VLLM_PLUGINS="someone_else")
+    st = shim.status()["fake-double"]
+    assert st.state == "inactive"
+    assert "not active in this process although OMNI_PATCHES=1" in st.reason
+    assert "VLLM_PLUGINS='someone_else'" in st.reason
+    assert "with the shim active: pending" in st.reason  # what it would do, said as such
+
+
+def test_cli_reports_environment_problems_without_a_target_import(shim, capsys):
+    from omni_patches import cli
+
+    shim.omni()
+    shim.registry(entry())
+    shim.env(OMNI_PATCHES_FAKE_DUBLE="0", OMNI_PATCHES_FAKE_DOUBLE="perhaps")
+    for command in ("status", "doctor"):
+        cli.main([command])
+        out = capsys.readouterr().out
+        assert "environment: unknown variable OMNI_PATCHES_FAKE_DUBLE ignored; did you mean " \
+               "OMNI_PATCHES_FAKE_DOUBLE?" in out, command
+        assert "environment: OMNI_PATCHES_FAKE_DOUBLE='perhaps' is not an on/off value" in out, command
+
+
+# -- patches that need others ----------------------------------------------------------------------------
+def test_needed_patch_off_warns_and_fails_doctor(shim, capsys, logs):
+    from omni_patches import cli
+
+    shim.omni()
+    needer = entry("fake-needer", module="fakepatches.hot", targets=["fakeomni.loader"], fixed_in={},
+                   needs=["fake-double"])
+    shim.registry(entry(), needer)
+    assert cli.main(["doctor"]) == 0
+    capsys.readouterr()
+    shim.env(OMNI_PATCHES_FAKE_DOUBLE="0")
+    assert cli.main(["doctor", "--json"]) == 1
+    assert "needs fake-double on this stack, which is skipped:disabled" in capsys.readouterr().out
+    _on(shim, entry(), needer, OMNI_PATCHES_FAKE_DOUBLE="0")
+    import fakeomni.loader  # noqa: F401
+
+    st = shim.status()["fake-needer"]
+    assert st.state == "applied" and st.warnings and "WARNING: needs fake-double" in st.reason
+    assert any("fake-needer: applied, but it needs fake-double" in m for m in logs.messages(logging.WARNING))
+
+
+def test_needs_unknown_id_is_a_registry_error(shim):
+    shim.omni()
+    _on(shim, entry(needs=["fake-missing"]))
+    st = shim.status()["fake-double"]
+    assert st.state == "failed" and "unknown patch(es) ['fake-missing']" in st.reason

@@ -109,6 +109,45 @@ def test_strict_mode_fails_the_import(venv):
     assert out.returncode != 0 and "RuntimeError: boom from a broken patch" in out.stderr
 
 
+@pytest.mark.parametrize("content,needle", [
+    ("[[patch]\nid = ", "cannot read registry: TOMLDecodeError"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "cannot read registry: UnicodeDecodeError"),
+    (fakes.registry_text(fakes.entry("fake-typed", default="yes")),
+     "patch 'fake-typed': key 'default' must be bool"),
+])
+def test_strict_mode_stops_the_program_on_a_broken_registry(venv, tmp_path, content, needle):
+    """The .pth cannot stop the interpreter (site prints and ignores what it raises): the first target
+    import does, with one message naming the file, the entry and the problem."""
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_bytes(content if isinstance(content, bytes) else content.encode())
+    configs = f"{venv['registry']}:{overlay}"
+    out = run(venv["python"], "import fakeomni.loader; print('ran')", OMNI_PATCHES="1", OMNI_PATCHES_STRICT="1",
+              OMNI_PATCHES_CONFIG=configs)
+    assert out.returncode == 1 and "ran" not in out.stdout, out
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("omni_patches.engine.StrictModeError: omni-patches (OMNI_PATCHES_STRICT=1): "), last
+    assert str(overlay) in last and needle in last, last
+    # Without strict mode the same registry leaves the program running (patched by the valid entries).
+    out = run(venv["python"], "import fakeomni.loader as m; print(m.compute(3))", OMNI_PATCHES="1",
+              OMNI_PATCHES_CONFIG=configs)
+    assert out.returncode == 0 and out.stdout.strip() == "6", out
+
+
+def test_cli_exits_quietly_into_a_closed_pipe(venv):
+    import subprocess
+
+    from support.venvs import clean_env
+
+    exe = venv["python"].parent / "omni-patches"
+    for args in (["status"], ["list"], ["status", "--json"]):
+        proc = subprocess.Popen([str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=clean_env(OMNI_PATCHES_CONFIG=venv["registry"]))
+        proc.stdout.close()  # the reader (`| head`) is gone before the first line
+        err = proc.stderr.read().decode()
+        proc.wait(60)
+        assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_invalid_master_value_warns_and_stays_off(venv):
     out = run(venv["python"], "import sys, fakeomni.loader as m; print(m.compute(3), 'omni_patches.engine' in sys.modules)",
               OMNI_PATCHES="perhaps", OMNI_PATCHES_CONFIG=venv["registry"])
@@ -125,7 +164,10 @@ def test_cli_entry_points(venv):
     out = subprocess.run([str(exe), "status", "--json"], capture_output=True, text=True,
                          env=clean_env(OMNI_PATCHES_CONFIG=venv["registry"]))
     assert out.returncode == 0, out.stderr
-    assert '"fake-double"' in out.stdout and '"pending"' in out.stdout
+    assert '"fake-double"' in out.stdout and '"inactive"' in out.stdout  # OMNI_PATCHES unset in this shell
+    out = subprocess.run([str(exe), "status", "--json"], capture_output=True, text=True,
+                         env=clean_env(OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["registry"]))
+    assert '"pending"' in out.stdout  # active through the .pth: the target is just not imported here
     out = subprocess.run([str(venv["python"]), "-m", "omni_patches", "doctor"], capture_output=True, text=True,
                          env=clean_env(OMNI_PATCHES_CONFIG=venv["registry"]))
     assert out.returncode == 0, out.stdout + out.stderr

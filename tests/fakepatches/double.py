@@ -18,6 +18,7 @@ def check(ctx):
 
 def apply(ctx):
     if ctx.target == "fakeomni.loader":
+        ctx.describe("loader.compute(x, scale)")
         ctx.wrap("", "compute", _double)
         for name in ("load", "helper", "method"):
             ctx.wrap("Mixin", name, _tag)
