@@ -41,7 +41,8 @@ def time_start(python, env, runs_out):
 def startup(python, site, runs):
     pth = site / "omni_patches.pth"
     off = site / "omni_patches.pth.off"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
+    base = {k: v for k, v in os.environ.items()
+            if (not k.startswith("OMNI_PATCHES") or k == "OMNI_PATCHES_STATE_DIR") and k != "PYTHONPATH"}
     on = dict(base, OMNI_PATCHES="1")
     samples = {"no .pth": [], ".pth, unset": [], ".pth, OMNI_PATCHES=1": []}
     for _ in range(5):  # warm the page cache

@@ -102,7 +102,15 @@ def _archives(folder):
 
 
 def download(name, version, cache):
-    """Path of the cached wheel (else sdist) of ``name==version``; ``pip download --no-deps`` if missing."""
+    """Path of the cached wheel (else sdist) of ``name==version``, fetched once.
+
+    In order: ``pip download --no-deps`` of a wheel for this machine; any wheel of the release straight from
+    pip's index (PEP 691 JSON simple API: only the ``.py`` files matter, not the platform); its sdist from the
+    index (pip cannot download an sdist whose metadata it cannot build, e.g. vllm-ascend 0.27.1rc1+); last,
+    ``pip download`` of the sdist with its metadata built here (an index without PEP 691).
+    """
+    from . import index
+
     key = re.sub(r"[-_.]+", "-", name).lower() + f"-{version}"
     dest = os.path.join(cache, "dists", key)
     with _locked(cache, key):
@@ -110,31 +118,41 @@ def download(name, version, cache):
         if found:
             return found[0]
         tmp = dest + ".part"
-        attempts = [
-            ("wheel", ["--only-binary", ":all:"], {}),
-            ("sdist", ["--no-binary", ":all:", "--no-build-isolation"], SDIST_ENV),
-        ]
-        errors = []
-        for what, extra, env in attempts:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+
+        def pip(extra, env):
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "--disable-pip-version-check",
                    *extra, "-d", tmp, f"{name}=={version}"]
-            run_env = dict(os.environ)
-            for k, v in env.items():
-                run_env.setdefault(k, v)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, **os.environ})
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+            return f"{' '.join(cmd[3:])}: " + " | ".join(tail)
+
+        def from_index(kind):
+            try:
+                index.download(name, version, tmp, kind=kind)
+            except index.IndexLookupError as exc:
+                return f"{kind} from the index: {exc}"
+            return None
+
+        attempts = [
+            ("wheel", lambda: pip(["--only-binary", ":all:"], {})),
+            ("wheel from the index", lambda: from_index("wheel")),
+            ("sdist from the index", lambda: from_index("sdist")),
+            ("sdist", lambda: pip(["--no-binary", ":all:", "--no-build-isolation"], SDIST_ENV)),
+        ]
+        errors = []
+        for what, attempt in attempts:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            problem = attempt()
             got = _archives(tmp)
             if got:
                 shutil.rmtree(dest, ignore_errors=True)
                 os.replace(tmp, dest)
                 return os.path.join(dest, os.path.basename(got[0]))
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            errors.append(f"{what} ({' '.join(cmd[3:])}): " + " | ".join(tail))
+            errors.append(f"{what}: {problem}")
         shutil.rmtree(tmp, ignore_errors=True)
         raise AuditError(f"cannot download {name}=={version}: " + "; ".join(errors) +
-                         ". Download it yourself and pass --wheel PATH or --source DIR (an sdist of vllm-ascend "
-                         f"needs setuptools_scm and {' '.join(f'{k}={v}' for k, v in SDIST_ENV.items())}).")
+                         ". Download it yourself and pass --wheel PATH or --source DIR.")
 
 
 def _wanted(member):
@@ -175,17 +193,28 @@ def _metadata(path):
     return msg.get("Name"), msg.get("Version")
 
 
-def _packages(root, exclude=()):
+def _packages(root, exclude=(), modules=True):
+    """Import names at the top of ``root``: packages, and (``modules``) single-file modules."""
     out = set()
     for entry in os.listdir(root):
         path = os.path.join(root, entry)
         if entry in exclude or not entry.isidentifier():
-            if entry.endswith(".py") and entry[:-3].isidentifier() and entry not in ("setup.py", "conftest.py"):
+            if modules and entry.endswith(".py") and entry[:-3].isidentifier() \
+                    and entry not in ("setup.py", "conftest.py"):
                 out.add(entry[:-3])
             continue
         if os.path.isfile(os.path.join(path, "__init__.py")):
             out.add(entry)
     return out - {"tests", "test", "docs", "examples", "benchmarks", "tools", "csrc", "cmake"}
+
+
+def _package_dists(versions_given):
+    """Import name -> distribution, for every distribution a patch gates on or the command line names."""
+    from . import registry
+
+    names = {d for spec in registry.load().specs.values() for d in spec.requires} | set(versions_given)
+    return {guess: canonical(d) for d in names for guess in (canonical(d).replace("-", "_"),
+                                                             canonical(d).replace("-", ""))}
 
 
 def dists_in(directory, origin, versions_given=None):
@@ -213,63 +242,94 @@ def dists_in(directory, origin, versions_given=None):
     # sdist or checkout: PKG-INFO at the top (or one level down), packages at the top or under src/
     tops_dir = [directory]
     subdirs = [os.path.join(directory, e) for e in entries if os.path.isdir(os.path.join(directory, e))]
-    if len(subdirs) == 1 and not _packages(directory):
+    if len(subdirs) == 1 and not _packages(directory, modules=False):
         tops_dir.insert(0, subdirs[0])
     for top in tops_dir:
         name = version = None
         if os.path.isfile(os.path.join(top, "PKG-INFO")):
             name, version = _metadata(os.path.join(top, "PKG-INFO"))
-        root = os.path.join(top, "src") if os.path.isdir(os.path.join(top, "src")) and not _packages(top) else top
-        pkgs = _packages(root)
+        src = os.path.join(top, "src")
+        root = src if os.path.isdir(src) and not _packages(top, modules=False) else top
+        pkgs = _packages(root, modules=False)  # a checkout's loose modules (setup.py, collect_env.py) are no package
         if not pkgs:
             continue
-        if name is None:  # a checkout without metadata: name it after its package
-            if len(pkgs) != 1:
-                raise AuditError(f"{directory}: no metadata and several packages ({', '.join(sorted(pkgs))}); "
-                                 "point --source at a wheel's unpacked files or a single package's checkout")
-            pkg = next(iter(pkgs))
-            named = [n for n in versions_given if pkg in (n.replace("-", "_"), n.replace("-", ""))]
-            name = named[0] if len(named) == 1 else pkg.replace("_", "-")
+        if name is None:  # a checkout without metadata: name it after the package a patch's dist provides
+            dist_of = _package_dists(versions_given)
+            known = pkgs & set(dist_of)
+            if len(known) != 1:
+                raise AuditError(f"{directory}: no metadata, and {'several' if known else 'no'} known package(s) "
+                                 f"({', '.join(sorted(known or pkgs))}); name the distribution with DIST==VERSION")
+            pkg = known.pop()
+            name, pkgs = dist_of[pkg], {pkg}
         if canonical(name) in versions_given:
             version = versions_given[canonical(name)]
         if not version:
-            raise AuditError(f"{directory}: cannot tell the version of {canonical(name)}; pass it along, "
-                             f"e.g. `omni-patches audit {canonical(name)}==X.Y.Z --source {directory}`")
+            # Like a source install without tags (setuptools_scm's 0.0.0): the version says nothing, so
+            # the gates decide by the patches' feature checks (see omni_patches.versions.source_build).
+            version = "0.0.0"
+            origin += " (no version: decided by code features; DIST==VERSION to gate on one)"
         guesses = {canonical(name).replace("-", "_"), canonical(name).replace("-", "")}
         found.append(Dist(name, version, root, guesses & pkgs or pkgs, origin))
         return found
     raise AuditError(f"{directory}: no Python package found")
 
 
+def _parse(text):
+    name, sep, version = text.partition("==")
+    if not sep or not name.strip() or not version.strip() or any(c in version for c in "<>=!~,*"):
+        raise AuditError(f"{text!r}: give an exact version, e.g. vllm-omni==0.28.0")
+    return canonical(name.strip()), name.strip(), version.strip()
+
+
+def plan(specs):
+    """``DIST==VER`` arguments -> one list per audit block. A distribution named with several versions gets a
+    block per version (the other distributions the same in each); several such: every combination."""
+    import itertools
+
+    by_dist = {}
+    for text in specs:
+        key, name, version = _parse(text)
+        options = by_dist.setdefault(key, [])
+        if all(v != version for _, v in options):
+            options.append((name, version))
+    combos = itertools.product(*by_dist.values()) if by_dist else [()]
+    return [[f"{n}=={v}" for n, v in combo] for combo in combos]
+
+
 def obtain(specs=(), wheels=(), sources=(), cache=None):
-    """``specs``: ``["vllm-omni==0.28.0", ...]``. Returns ``{canonical name: Dist}``."""
+    """``specs``: ``["vllm-omni==0.28.0", ...]`` (one version per distribution: see :func:`plan`).
+    Returns ``{canonical name: Dist}``."""
     cache = cache or cache_root()
     pinned = {}
     for text in specs:
-        name, sep, version = text.partition("==")
-        if not sep or not name.strip() or not version.strip() or any(c in version for c in "<>=!~,*"):
-            raise AuditError(f"{text!r}: give an exact version, e.g. vllm-omni==0.28.0")
-        pinned[canonical(name.strip())] = (name.strip(), version.strip())
+        key, name, version = _parse(text)
+        if key in pinned and pinned[key][1] != version:
+            raise AuditError(f"{key} is named twice ({pinned[key][1]}, {version}); audit each version on its own")
+        pinned[key] = (name, version)
     given = {k: v for k, (_, v) in pinned.items()}
     out = {}
+
+    def add(found):
+        for d in found:
+            if d.name in out and out[d.name].root != d.root:
+                raise AuditError(f"{d.name} is given twice ({out[d.name].origin}; {d.origin}); audit each on its own")
+            out[d.name] = d
+
     for path in wheels:
         if not os.path.isfile(path):
             raise AuditError(f"--wheel {path}: no such file")
-        for d in dists_in(unpack(os.path.abspath(path), cache), f"file {path}", given):
-            out[d.name] = d
+        add(dists_in(unpack(os.path.abspath(path), cache), f"file {path}", given))
     for path in sources:
         if os.path.isfile(path):
             raise AuditError(f"--source {path}: expected a directory (use --wheel for an archive)")
         if not os.path.isdir(path):
             raise AuditError(f"--source {path}: no such directory")
-        for d in dists_in(os.path.abspath(path), f"source {path}", given):
-            out[d.name] = d
+        add(dists_in(os.path.abspath(path), f"source {path}", given))
     for key, (name, version) in pinned.items():
         if key in out:
             continue  # the given files stand for it; the pinned version overrides their metadata
         archive = download(name, version, cache)
-        for d in dists_in(unpack(archive, cache), f"pip download {name}=={version}"):
-            out[d.name] = d
+        add(dists_in(unpack(archive, cache), f"downloaded {name}=={version}"))
         if key not in out:
             raise AuditError(f"{archive} does not contain {name}")
     return out
@@ -321,7 +381,7 @@ def run(dists, reg=None):
                 continue
             if decision.state == VERSION:
                 verdict = FIXED if "fixed upstream" in decision.reason else OUT_OF_RANGE
-                reason = decision.reason.replace("(installed ", "(audited ")
+                reason = decision.explain().replace("(installed ", "(audited ")
                 results.append(Result(spec.id, enabled, verdict, reason, notes))
                 continue
             if decision.state != PENDING:  # pragma: no cover - decide() forced on cannot say disabled
@@ -354,14 +414,12 @@ def _dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleto
             reason = rt.reason
             if verdict == FIXED:
                 reason = f"{target}: " + reason.removeprefix("fixed upstream: ")
-            return Result(spec.id, enabled, verdict, reason, notes)
+            return Result(spec.id, enabled, verdict, decision.explain(reason), notes)
         checked.append(target)
     if not checked:
         return Result(spec.id, enabled, ABSENT, "no target file in the given files: " + ", ".join(missing),
                       notes)
-    detail = ", ".join(f"{d} {v}" for d, v in decision.installed.items())
-    if rt.found:
-        detail += "; found: " + "; ".join(rt.found)
+    detail = decision.explain(", ".join(f"{d} {v}" for d, v in decision.installed.items()), rt.found)
     if missing:
         notes.append("not in these files (skipped, as at run time): " + ", ".join(missing))
     if external:

@@ -113,13 +113,18 @@ def cmd_doctor(args):
 
 def cmd_audit(args):
     import time
+    import warnings
 
-    from . import audit
+    from . import audit, gates
 
     started = time.perf_counter()
+    blocks = []
     try:
-        dists = audit.obtain(args.specs, args.wheel, args.source, args.cache)
-        results = audit.run(dists)
+        with warnings.catch_warnings():  # third-party noise (an import's own warnings) is not the audit's to show
+            warnings.simplefilter("ignore")
+            for specs in audit.plan(args.specs):
+                dists = audit.obtain(specs, args.wheel, args.source, args.cache)
+                blocks.append((dists, audit.run(dists)))
     except audit.AuditError as exc:
         if args.json:
             json.dump({"omni_patches": __version__, "mode": "audit", "error": str(exc)}, sys.stdout, indent=2)
@@ -128,21 +133,33 @@ def cmd_audit(args):
             print(f"audit: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - started
+    assumed, _ = gates.assumed_versions()
+    assumed_note = (f"versions assumed for the gates ({gates.ASSUME}): " +
+                    ", ".join(f"{d}={v}" for d, v in assumed.items())) if assumed else None
     if args.json:
-        json.dump({"omni_patches": __version__, "mode": "audit", "seconds": round(elapsed, 3),
-                   "distributions": [d.to_dict() for d in dists.values()],
-                   "patches": [r.to_dict() for r in results]}, sys.stdout, indent=2)
+        audits = [{"distributions": [d.to_dict() for d in dists.values()],
+                   "patches": [r.to_dict() for r in results]} for dists, results in blocks]
+        doc = {"omni_patches": __version__, "mode": "audit", "seconds": round(elapsed, 3), "assumed": assumed,
+               "audits": audits}
+        if len(audits) == 1:
+            doc.update(audits[0])
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        given = "; ".join(f"{d.name} {d.version} ({d.origin})" for d in dists.values()) or "nothing"
-        print(f"audit of {given} -- read statically, nothing installed or imported")
-        rows = [(r.id, "on" if r.enabled else "off", r.line) for r in results]
-        print(_table(rows, ("patch", "switch", "verdict")))
-        for r in results:
-            for note in r.notes:
-                print(f"  {r.id}: {note}")
+        for n, (dists, results) in enumerate(blocks):
+            if n:
+                print()
+            given = "; ".join(f"{d.name} {d.version} ({d.origin})" for d in dists.values()) or "nothing"
+            print(f"audit of {given} -- read statically, nothing installed or imported")
+            if assumed_note:
+                print(assumed_note)
+            rows = [(r.id, "on" if r.enabled else "off", r.line) for r in results]
+            print(_table(rows, ("patch", "switch", "verdict")))
+            for r in results:
+                for note in r.notes:
+                    print(f"  {r.id}: {note}")
         print(f"({elapsed:.1f} s)")
-    return audit.exit_code(results)
+    return max(audit.exit_code(results) for _, results in blocks)
 
 
 def registry_markdown(reg=None):

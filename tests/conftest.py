@@ -1,6 +1,8 @@
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,35 @@ from support import fakes  # noqa: E402
 # The engine reads these; a developer's shell must not leak into the tests.
 for _k in [k for k in os.environ if k.startswith("OMNI_PATCHES")]:
     del os.environ[_k]
+
+# Production state stays untouched: every process of the session (children inherit it; support.venvs keeps it
+# in the environments it builds) records into the session's own directory. The default directory is
+# fingerprinted now and checked by the last test (tests/test_state_isolation.py).
+from omni_patches import proof as _proof  # noqa: E402
+
+def state_fingerprint(directory):
+    """(name, size, mtime) of every entry of ``directory``: any record written, removed or rewritten shows."""
+    try:
+        return sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory))
+    except FileNotFoundError:
+        return None
+
+
+DEFAULT_STATE_DIR = _proof.state_dir()
+DEFAULT_STATE_BEFORE = state_fingerprint(DEFAULT_STATE_DIR)
+SESSION_STATE_DIR = tempfile.mkdtemp(prefix="omni-patches-test-state-")
+os.environ["OMNI_PATCHES_STATE_DIR"] = SESSION_STATE_DIR
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The state-isolation check runs last, after every test that could have leaked a record."""
+    last = [i for i in items if i.nodeid.startswith("tests/test_state_isolation.py") or
+            i.nodeid.startswith("test_state_isolation.py")]
+    items[:] = [i for i in items if i not in last] + last
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SESSION_STATE_DIR, ignore_errors=True)
 
 
 class _ListHandler(logging.Handler):

@@ -3,12 +3,14 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import zipfile
 
 import pytest
 
 from omni_patches import audit, cli, registry
 from support import wheels
+from support.venvs import without_switches
 from support.fakes import FAKE_LOADER, entry, fake_omni
 
 APPLY, FIXED, OUT, ABSENT, DRIFTED = (audit.WOULD_APPLY, audit.FIXED, audit.OUT_OF_RANGE, audit.ABSENT,
@@ -116,17 +118,62 @@ def test_fake_wheel_and_pip_download_path(fake, capsys, tmp_path, monkeypatch):
     assert rc == 2 and "cannot download fake-omni==9.9.9" in out["error"]
 
 
-def test_source_checkout_needs_a_version(shim, tmp_path, capsys):
-    shim.registry(entry())
+def _checkout(tmp_path, loader=FAKE_LOADER):
+    """A repository checkout: the package plus what a real repo root has beside it (vllm-ascend's has
+    collect_env.py, setup.py, tests/ ...). No metadata."""
     co = tmp_path / "checkout"
     (co / "fakeomni").mkdir(parents=True)
     (co / "fakeomni" / "__init__.py").write_text("")
-    (co / "fakeomni" / "loader.py").write_text(FAKE_LOADER.replace("\n    ", "\n"))
+    (co / "fakeomni" / "loader.py").write_text(textwrap.dedent(loader))
     (co / "fakeomni" / "consumer.py").write_text("from fakeomni.loader import compute\n")
-    rc, _, out = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
-    assert rc == 2 and "cannot tell the version" in out["error"]
-    rc, got, _ = _audit(capsys, "fake-omni==0.29.0", "--source", co, "--cache", tmp_path / "cache")
-    assert got["fake-double"]["verdict"] == APPLY and "0.29.0" in got["fake-double"]["detail"]
+    (co / "collect_env.py").write_text("print('upstream code: never run')\n")
+    (co / "setup.py").write_text("raise SystemExit('never run')\n")
+    (co / "tests").mkdir()
+    (co / "tests" / "__init__.py").write_text("")
+    return co
+
+
+def test_source_checkout_without_a_version_is_decided_by_features(shim, tmp_path, capsys):
+    shim.registry(entry())
+    co = _checkout(tmp_path)
+    rc, got, out = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
+    assert rc == 0 and got["fake-double"]["verdict"] == APPLY, out
+    detail = got["fake-double"]["detail"]
+    assert "fake-omni 0.0.0 is a source build without tags" in detail and "decided by code features" in detail
+    assert "found: loader.compute(x, scale)" in detail or "(loader.compute(x, scale))" in detail
+    fixed = _checkout(tmp_path / "fixed", FAKE_LOADER + "\n    ALREADY_FIXED = True\n")
+    rc, got, _ = _audit(capsys, "--source", fixed, "--cache", tmp_path / "cache")
+    assert got["fake-double"]["verdict"] == FIXED and "decided by code features" in got["fake-double"]["detail"]
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_source_checkout_with_a_version_anywhere_on_the_line(shim, tmp_path, capsys, order):
+    shim.registry(entry())
+    co = _checkout(tmp_path)
+    args = ["--source", co, "--cache", tmp_path / "cache"]
+    args = ["fake-omni==0.30.0", *args] if order == "before" else [*args, "fake-omni==0.30.0"]
+    rc, got, _ = _audit(capsys, *args)
+    assert got["fake-double"]["verdict"] == FIXED and "0.30.0" in got["fake-double"]["detail"]
+
+
+def test_one_distribution_twice_audits_each_version(fake, capsys, tmp_path, monkeypatch):
+    site = fake("0.28.0")
+    info = site / "fake_omni-0.28.0.dist-info"
+    (info / "WHEEL").write_text("Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    index = tmp_path / "index"
+    index.mkdir()
+    _zip_dir(site, index / "fake_omni-0.28.0-py3-none-any.whl")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-omni\nVersion: 0.30.0\n")
+    _zip_dir(site, index / "fake_omni-0.30.0-py3-none-any.whl")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    assert cli.main(["audit", "--json", "--cache", str(tmp_path / "c"), "fake-omni==0.28.0", "fake-omni==0.30.0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    verdicts = [{p["id"]: p["verdict"] for p in a["patches"]}["fake-double"] for a in doc["audits"]]
+    assert verdicts == [APPLY, FIXED] and "patches" not in doc
+    assert cli.main(["audit", "--cache", str(tmp_path / "c"), "fake-omni==0.28.0", "fake-omni==0.30.0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("audit of fake-omni 0.28.0") == 1 and out.count("audit of fake-omni 0.30.0") == 1
 
 
 # -- real wheels --------------------------------------------------------------------------------------
@@ -164,7 +211,7 @@ def _real_audit(*paths):
         args = [a for p in paths for a in ("--wheel", str(p))]
         proc = subprocess.run([sys.executable, "-m", "omni_patches", "audit", "--json", "--cache", str(AUDIT_CACHE),
                                *args], capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
-                              env={k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES")})
+                              env=without_switches())
         out = json.loads(proc.stdout)
         _done[key] = (proc.returncode, {p["id"]: p for p in out["patches"]})
     return _done[key]
@@ -217,3 +264,34 @@ def test_real_wheel_with_renamed_target_is_drifted(tmp_path, capsys, old, new, n
     capsys.readouterr()
     assert cli.main(["audit", "--wheel", str(whl), "--cache", str(tmp_path / "cache")]) == 1
     assert "drifted: " in capsys.readouterr().out
+
+
+def test_sdist_pip_cannot_download_comes_from_the_index(tmp_path, capsys):
+    """vllm-ascend 0.27.1rc1+ publish only sdists whose metadata pip cannot build here: audit fetches the file
+    through the index's PEP 691 JSON API (pip's configured index) and reads it."""
+    cache = tmp_path / "cache"
+    rc, got, out = _audit(capsys, "vllm-ascend==0.27.1rc1", "--cache", cache)
+    if "error" in out and not os.environ.get("CI"):  # pragma: no cover - network dependent
+        pytest.skip(out["error"])
+    assert [p.name for p in (cache / "dists" / "vllm-ascend-0.27.1rc1").iterdir()] == ["vllm_ascend-0.27.1rc1.tar.gz"]
+    (dist,) = out["distributions"]
+    assert (dist["name"], dist["version"]) == ("vllm-ascend", "0.27.1rc1")
+    assert got["ascend-moe-skip-idle-lora"]["verdict"] == APPLY, got["ascend-moe-skip-idle-lora"]
+    assert "found: " in got["ascend-moe-skip-idle-lora"]["detail"]  # names the wrap point it would change
+
+
+def test_real_ascend_checkout_root(tmp_path, capsys):
+    """--source at a repository root (collect_env.py, setup.py, tests/, ... beside vllm_ascend/), no metadata:
+    the package is found, the version is unknown, the patch's feature checks decide."""
+    import shutil
+
+    src = wheels.release_root("vllm-ascend", "0.30.0rc2")
+    co = tmp_path / "vllm-ascend"
+    shutil.copytree(src, co, ignore=shutil.ignore_patterns("PKG-INFO", "*.egg-info"))
+    assert (co / "collect_env.py").exists() and (co / "setup.py").exists()
+    rc, got, out = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
+    assert "error" not in out, out
+    (dist,) = out["distributions"]
+    assert (dist["name"], dist["version"], dist["packages"]) == ("vllm-ascend", "0.0.0", ["vllm_ascend"])
+    st = got["ascend-moe-skip-idle-lora"]
+    assert st["verdict"] == APPLY and "decided by code features" in st["detail"], st

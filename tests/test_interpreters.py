@@ -174,6 +174,26 @@ def test_cli_entry_points(venv):
     assert "ready" in out.stdout
 
 
+def test_audit_in_a_plain_install_needs_no_torch(venv, tmp_path):
+    """A plain `pip install omni-patches` venv has no torch: audit reads the patches' checks statically."""
+    import json
+    import subprocess
+
+    from support import wheels
+    from support.venvs import clean_env
+
+    wheel = wheels.download("vllm-omni", "0.28.0")
+    exe = venv["python"].parent / "omni-patches"
+    proc = subprocess.run([str(exe), "audit", "--json", "--wheel", str(wheel), "--cache", str(tmp_path)],
+                          capture_output=True, text=True, env=clean_env())
+    assert subprocess.run([str(venv["python"]), "-c", "import torch"], capture_output=True).returncode != 0
+    doc = json.loads(proc.stdout)
+    verdicts = {p["id"]: p for p in doc["patches"]}
+    assert all(p["verdict"] != "failed" for p in verdicts.values()), verdicts
+    assert verdicts["lora-accel-delta"]["verdict"] == "would apply"
+    assert proc.stderr == "", proc.stderr  # no warnings of anyone's
+
+
 def test_editable_install_also_activates(tmp_path):
     python = make_venv(tmp_path / "env", editable=True)
     site = site_packages(python)

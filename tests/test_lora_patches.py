@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from support.omni_loader import run_sandboxed
+from support.venvs import without_switches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -310,7 +311,7 @@ print("RESULT " + json.dumps({
 ])
 def test_real_stack_fuses_lora_through_the_installed_shim(shimmed_stack, tmp_path, version, fused, expect):
     python = shimmed_stack(version)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
+    env = {k: v for k, v in without_switches().items() if k != "PYTHONPATH"}
     env.update(OMNI_PATCHES="1", LORA_TESTS_DIR=str(ROOT / "tests"))
     if fused:
         env["OMNI_PATCHES_LORA_CPU_FUSED_DELTA"] = "1"

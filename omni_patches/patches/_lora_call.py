@@ -18,6 +18,9 @@ FUSED = contextvars.ContextVar("omni_patches_lora_fused", default=None)
 CLASSMETHODS = ("load_lora_into_module", "unload_module_lora")
 CLASSMETHOD_PARAMS = ("state_dict", "module", "prefix", "lora_a_suffix", "lora_b_suffix", "lora_bias_suffix")
 PREPARE = "_prepare_lora_delta"
+# What both patches change (ctx.describe): the two classmethods get a per-call scope, the global is replaced.
+DESCRIBE = ("LoraLoaderMixin.load_lora_into_module/unload_module_lora (per-call scope) and "
+            "loader._prepare_lora_delta (module global the loop looks up per parameter)")
 PREPARE_PARAMS = ("lora_state_dict", "base_key", "param_to_weight_names", "is_bias", "lora_a_suffix",
                   "lora_b_suffix", "lora_bias_suffix")
 

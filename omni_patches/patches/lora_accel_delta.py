@@ -81,6 +81,7 @@ def check(ctx):
 
 
 def apply(ctx):
+    ctx.describe(lc.DESCRIBE)
     mixin = ctx.resolve("LoraLoaderMixin")
     call_args = lc.Binder(mixin.load_lora_into_module, skip_first=True)
     prep_args = lc.Binder(ctx.resolve(lc.PREPARE))

@@ -63,6 +63,7 @@ def check(ctx):
 
 
 def apply(ctx):
+    ctx.describe(f"DiffusionLoRAManager lifecycle: {', '.join(LIFECYCLE)} (0.32.0rc1 layout)")
     for name in LIFECYCLE:
         ctx.wrap("DiffusionLoRAManager", name, _lifecycle)
     ctx.on_undo(_republish_all)

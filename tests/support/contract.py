@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import wheels
+from .venvs import without_switches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +76,7 @@ class Case:
 
 def run_child(case_module: str, kind: str, index: int, timeout: int = 600) -> dict:
     """Run one contract check in a fresh interpreter; returns its JSON report (``ok`` plus details)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES")}
+    env = without_switches()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "support.contract_child", case_module, kind, str(index)],

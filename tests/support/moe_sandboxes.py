@@ -27,6 +27,7 @@ import textwrap
 from pathlib import Path
 
 from . import wheels
+from .venvs import without_switches
 
 VLLM_ENV = "OMNI_TEST_ASCEND_VLLM"
 # Names a newer vllm-ascend has but 0.23 does not: the auto-stub finder must not invent them.
@@ -158,7 +159,7 @@ def run_python(code: str, *paths: str, env: dict | None = None, timeout: int = 3
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
-    full = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES")}
+    full = without_switches()
     full.update(env or {})
     full["PYTHONPATH"] = os.pathsep.join([*paths, str(root), full.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,

@@ -9,10 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Kept in every child: tests/conftest.py points it at the session's own directory, so no process a test
+# starts ever writes a record into the production state directory.
+TEST_SETTINGS = ("OMNI_PATCHES_STATE_DIR",)
+
+
+def without_switches(environ=None) -> dict:
+    """``environ`` (default os.environ) without OMNI_PATCHES* switches, keeping the test-session settings."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith("OMNI_PATCHES") or k in TEST_SETTINGS}
+
+
 def clean_env(**extra) -> dict:
-    """The calling environment without any OMNI_PATCHES* / PYTHONPATH leaking into the child."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("OMNI_PATCHES") and k not in ("PYTHONPATH", "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}
+    """The calling environment without any OMNI_PATCHES* switch / PYTHONPATH leaking into the child."""
+    env = {k: v for k, v in without_switches().items()
+           if k not in ("PYTHONPATH", "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}
     env.update({k: str(v) for k, v in extra.items() if v is not None})
     return env
 
