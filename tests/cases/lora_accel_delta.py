@@ -8,6 +8,7 @@ def sandbox(version, **kw):
 
 
 BASE = sandbox("0.28.0")
+META = "vllm_omni-{0}.dist-info/METADATA"
 
 CASE = Case(
     patch_id="lora-accel-delta",
@@ -28,6 +29,15 @@ CASE = Case(
         # package metadata is edited; the target is never imported (imports= names what the child imports).
         (Env.edited("omni-0.26.0-metadata", BASE, "vllm_omni-0.28.0.dist-info/METADATA", "Version: 0.28.0",
                     "Version: 0.26.0", imports=["vllm_omni"]), "skipped:version", "outside"),
+    ],
+    source_built=[
+        # A checkout of the 0.28 line (setuptools_scm numbers) and one without tags: the code decides.
+        (Env.source_build(BASE, META.format("0.28.0"), "0.28.0", "0.28.1.dev12+g1a2b3c4d"), "applied",
+         "is a source build: decided by code features"),
+        (Env.source_build(BASE, META.format("0.28.0"), "0.28.0", "0.0.0"), "applied", "decided by code features"),
+        # A checkout of 0.30 whose number says 0.19-something: upstream's fix is in the code, so it skips.
+        (Env.source_build(sandbox("0.30.0"), META.format("0.30.0"), "0.30.0", "0.19.1rc2.dev1637+g182b75ea8"),
+         "skipped:version", "fixed upstream"),
     ],
     drifted=[
         (Env.edited("omni-0.28.0-renamed-helper", BASE, LOADER_RELPATH, "def _prepare_lora_delta(",

@@ -18,6 +18,12 @@ CASE = Case(
                     "    def _publish_moe_lora_context(self) -> None:"),
          "skipped:version", "fixed upstream"),
     ],
+    source_built=[
+        (Env.source_build(OMNI_032, "vllm_omni-0.32.0rc1.dist-info/METADATA", "0.32.0rc1", "0.32.0rc2.dev40+gabcdef12"),
+         "applied", "is a source build: decided by code features"),
+        (Env.source_build(OMNI_032, "vllm_omni-0.32.0rc1.dist-info/METADATA", "0.32.0rc1", "0.0.0"), "applied",
+         "decided by code features"),
+    ],
     drifted=[
         (Env.edited("omni-0.32.0rc1-renamed", OMNI_032, MANAGER,
                     "def _ensure_max_lora_rank(", "def _ensure_max_lora_rank_v2("), "_ensure_max_lora_rank"),

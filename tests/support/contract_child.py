@@ -43,6 +43,7 @@ def _status(pid):
 
 
 def main(case_module, kind, index):
+    asked = kind
     case = importlib.import_module(f"cases.{case_module}").CASE
     spec = registry.load().specs[case.patch_id]
     if kind == "affected":
@@ -53,12 +54,16 @@ def main(case_module, kind, index):
         env, expect_state, reason_part = case.skipped[index]
     elif kind == "drifted":
         (env, reason_part), expect_state = case.drifted[index], "drifted"
+    elif kind == "source":
+        env, expect_state, reason_part = case.source_built[index]
+        if expect_state == "applied":
+            kind = "affected"  # the full check (applies once, undo) plus the reason
     else:
         raise SystemExit(f"unknown kind {kind}")
     sys.path[:0] = env.paths()
     os.environ.update(env.env)
     os.environ["OMNI_PATCHES"] = "1"
-    report = {"patch": case.patch_id, "kind": kind, "env": env.label}
+    report = {"patch": case.patch_id, "kind": asked, "env": env.label}
 
     if kind == "lazy":
         assert omni_patches.activate() is True
