@@ -51,38 +51,106 @@ def _environment():
 
 
 def cmd_all_processes(args):
-    """Records of every process that applied a patch, from the state directory (proof in production)."""
+    """Records of every process that applied a patch: the state directory, or the Ray cluster with ``--ray``.
+
+    Ghosts (dead processes older than their instance's live ones) are hidden unless ``--all``; ``--prune``
+    removes the records of dead processes (state directory, and the cluster's KV entries with ``--ray``).
+    """
     from . import proof
 
     directory = args.state_dir or proof.state_dir()
-    records = proof.collect(directory)
+    use_ray = getattr(args, "ray", None) is not None
+    address = proof.ray_address(args.ray or None) if use_ray else None
+    cluster = None
+    try:
+        records = proof.collect(directory)
+        if use_ray:
+            cluster = proof._Cluster(address)
+            records = proof.merge_local(proof.collect_ray(cluster=cluster), records)
+    except proof.RayUnavailable as exc:
+        print(f"status --ray: {exc}", file=sys.stderr)
+        return 2
+    where = f"Ray cluster {cluster.address} (+ this host's {directory})" if use_ray else directory
+    if getattr(args, "prune", False):
+        removed = proof.prune(directory)
+        if use_ray:
+            removed += proof.prune_ray(records, cluster=cluster)
+        if args.json:
+            json.dump({"omni_patches": __version__, "mode": "status --prune", "state_dir": directory,
+                       "ray": cluster.address if use_ray else None, "removed": removed}, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print(f"removed {len(removed)} record(s) of dead processes from {where}")
+            for item in removed:
+                print(f"  {item}")
+        return 0
+    shown = proof.visible(records, show_all=getattr(args, "all", False))
+    hidden = len(records) - len(shown)
     if args.json:
         json.dump({"omni_patches": __version__, "mode": "status --all-processes", "state_dir": directory,
-                   "processes": records}, sys.stdout, indent=2)
+                   "ray": cluster.address if use_ray else None, "hidden": hidden, "processes": shown},
+                  sys.stdout, indent=2)
         sys.stdout.write("\n")
-        return 0 if records else 1
-    if not records:
-        print(f"no process has recorded an applied patch in {directory} (is OMNI_PATCHES=1 set in the serving "
-              "processes, and OMNI_PATCHES_STATE_DIR the same here?)")
+        return 0 if shown else 1
+    if not shown:
+        print(f"no process has recorded an applied patch in {where} (is OMNI_PATCHES=1 set in the serving "
+              "processes, and OMNI_PATCHES_STATE_DIR the same here?)" +
+              (f"; {hidden} record(s) of dead processes hidden (--all shows them)" if hidden else ""))
         return 1
     ids = []
-    for r in records:
+    for r in shown:
         ids.extend(i for i in r.get("patches", {}) if i not in ids)
+    head = ("node", "node id", "pid", "rank", "role", "instance") if use_ray else ("pid", "group", "rank", "role",
+                                                                                 "instance")
     rows = []
-    for r in records:
+    for r in shown:
         if "error" in r:
-            rows.append((os.path.basename(r["file"]), "-", "-", "unreadable", r["error"], *["-"] * len(ids)))
+            name = os.path.basename(r["file"]) if "file" in r else r.get("key")
+            rows.append((name, *["-"] * (len(head) - 1), "unreadable", r["error"], *["-"] * len(ids)))
             continue
+        rank = r.get("rank") if r.get("rank") is not None else "-"
+        common = (r.get("pid"), rank, r.get("role"), r.get("instance") or "-")
+        if use_ray:
+            node_id = ((r.get("ray") or {}).get("node_id") or "-")[:8]
+            node = r.get("node_ip") or ("this host" if r.get("source") == "local" else "-")
+            first = (node, node_id, *common)
+        else:
+            first = (r.get("pid"), r.get("pgid"), *common[1:])
         patches = r.get("patches", {})
-        rows.append((r.get("pid"), r.get("pgid"), r.get("role"), r["status"],
-                     time.strftime("%H:%M:%S", time.localtime(r.get("updated", 0))),
+        rows.append((*first, r["status"], time.strftime("%H:%M:%S", time.localtime(r.get("updated", 0))),
                      *[patches.get(i, {}).get("state", "-") for i in ids]))
-    print(f"state dir: {directory}")
-    print(_table(rows, ("pid", "group", "role", "process", "recorded", *ids)))
-    gone = sum(1 for r in records if r["status"] != "running")
+    print(f"processes recorded in {where}")
+    print(_table(rows, (*head, "process", "recorded", *ids)))
+    gone = sum(1 for r in shown if r.get("status") == "gone")
     if gone:
-        print(f"{gone} record(s) of processes that are gone (killed before they could clean up)")
+        print(f"{gone} record(s) of processes that are gone (killed before they could clean up; "
+              "`omni-patches status --prune` removes them)")
+    if hidden:
+        print(f"{hidden} record(s) of dead processes older than their instance's live ones hidden (--all shows them)")
     return 0
+
+
+class _ImpliesAllProcesses(argparse.Action):
+    """``--ray``, ``--all`` and ``--prune`` are about every process: they imply ``--all-processes``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.all_processes = True
+        setattr(namespace, self.dest, True if self.nargs == 0 else (values or ""))
+
+
+def _add_all_processes_arguments(p):
+    p.add_argument("--all-processes", action="store_true",
+                   help="every process of the serving instance that applied a patch (node, pid, rank, role, "
+                        "instance, states), read from the state directory; dead ones are marked gone")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="state directory to read (default: $OMNI_PATCHES_STATE_DIR, else the per-user one)")
+    p.add_argument("--ray", nargs="?", metavar="ADDRESS", action=_ImpliesAllProcesses, default=None,
+                   help="read every node's records from the Ray cluster's KV store (default address: "
+                        "$RAY_ADDRESS, else auto); needs ray installed where this runs")
+    p.add_argument("--all", nargs=0, action=_ImpliesAllProcesses, default=False,
+                   help="with --all-processes: also show dead processes older than their instance's live ones")
+    p.add_argument("--prune", nargs=0, action=_ImpliesAllProcesses, default=False,
+                   help="remove the records of dead processes (state directory; with --ray also the cluster's)")
 
 
 def cmd_status(args):
@@ -203,11 +271,7 @@ def _main(argv=None):
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(func=func)
         if name == "status":
-            p.add_argument("--all-processes", action="store_true",
-                           help="every process of the serving instance that applied a patch (pid, role, states), "
-                                "read from the state directory; dead ones are marked gone")
-            p.add_argument("--state-dir", metavar="DIR",
-                           help="state directory to read (default: $OMNI_PATCHES_STATE_DIR, else the per-user one)")
+            _add_all_processes_arguments(p)
     p = sub.add_parser("audit", help="what every patch would do with other versions, read from their wheels "
                                      "without installing them; non-zero if an enabled patch would drift")
     p.add_argument("specs", nargs="*", metavar="DIST==VERSION",

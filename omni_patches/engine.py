@@ -221,6 +221,12 @@ def _start():
         if state.started:
             return _wrapt_finder()
         state.started = True
+        try:  # instance id here, not in activate(): `OMNI_PATCHES=1 ray start` must not mint one for its node
+            from . import proof
+
+            proof.ensure_instance()
+        except Exception:  # pragma: no cover - ensure_instance never raises; the import cannot stop the shim
+            pass
         try:
             import functools
 

@@ -1,4 +1,5 @@
-"""Idle MoE-LoRA: moe-lora-idle-detach on the REAL 0.32.0rc1 manager, ascend-moe-skip-idle-lora per forward.
+"""Idle MoE-LoRA, omni side: moe-lora-idle-detach on the REAL 0.32.0rc1 manager (the Ascend side,
+ascend-moe-skip-idle-lora, is tested on every real vllm-ascend release in tests/test_ascend_skip.py).
 
 Every check runs in a fresh interpreter (the sandboxes put stand-ins into sys.modules) with the shim
 activated the way production activates it: ``omni_patches.activate()`` before the target's first import.
@@ -12,8 +13,7 @@ import textwrap
 
 import pytest
 
-from support import fakes
-from support.moe_sandboxes import VLLM_ENV, ascend_dir, omni_manager_dir, run_python
+from support.moe_sandboxes import omni_manager_dir, run_python
 
 # Children activate explicitly (activate(force=True)); OMNI_PATCHES stays unset so an installed .pth (the CI
 # venv has the project installed) never patches a run meant to be stock.
@@ -138,167 +138,6 @@ def test_suspended_and_undo(patched):
     assert patched["suspended"] == [True, False, True]
     # Unapplied: stock behaviour again (the context stays attached while idle).
     assert patched["after_unapply_idle_ctx"] is True
-
-
-# --------------------------------------------------------------------------------------------------
-# ascend side: per-forward skip
-# --------------------------------------------------------------------------------------------------
-PROBE = """
-    import inspect, json, os, sys, types
-    import omni_patches
-    omni_patches.activate(force=True)
-    import importlib
-    KEY = "_ascend_moe_lora_context"
-    mod = importlib.import_module(os.environ["MOD"])
-    cls = getattr(mod, os.environ["CLS"])
-    name = os.environ["METHOD"]
-    holder_attr = os.environ.get("HOLDER")  # None: context on self
-    st = {s.id: s for s in omni_patches.status()}["ascend-moe-skip-idle-lora"]
-    func = vars(cls)[name]
-    out = {"state": st.state, "reason": st.reason, "marker": getattr(func, "__omni_patch__", None),
-           "same_signature": str(inspect.signature(func)) == str(inspect.signature(func.__wrapped__)),
-           "signature": str(inspect.signature(func))}
-
-    def make(lc):
-        obj = cls.__new__(cls)
-        import torch.nn as nn
-        nn.Module.__init__(obj)
-        if holder_attr:
-            setattr(obj, holder_attr, nn.Module())
-            holder = getattr(obj, holder_attr)
-        else:
-            holder = obj
-        holder.__dict__[KEY] = lc
-        return obj, holder
-
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    class Probe:  # the first attribute the real method tests: records what the forward sees, then stops it
-        def __init__(self, holder):
-            self.holder = holder
-        def __bool__(self):
-            seen.append(self.holder.__dict__.get(KEY))
-            raise Stop
-
-    def ctx(no_lora):
-        return types.SimpleNamespace(punica_wrapper=types.SimpleNamespace(no_lora=no_lora))
-
-    call = json.loads(os.environ["CALL"])  # {"args": [...], "kwargs": {...}} besides self
-    results = {}
-    for label, lc in (("idle", ctx(True)), ("busy", ctx(False)), ("none", None)):
-        obj, holder = make(lc)
-        obj.enable_npugraph_ex_static_kernel = Probe(holder)
-        obj.quant_method = object()
-        seen.clear()
-        try:
-            getattr(obj, name)(*call["args"], **call["kwargs"])
-            raised = False
-        except Stop:
-            raised = True
-        results[label] = {"raised": raised, "forward_saw_ctx": seen[0] is not None if seen else None,
-                          "restored": holder.__dict__.get(KEY) is lc}
-    out["results"] = results
-    print("RESULT " + json.dumps(out))
-"""
-
-
-def _probe(paths, env):
-    return _result(run_python(PROBE, *paths, env={**ROOT_ENV, **env}))
-
-
-def _assert_skip_semantics(out):
-    r = out["results"]
-    assert r["idle"] == {"raised": True, "forward_saw_ctx": False, "restored": True}, r  # hidden, restored on raise
-    assert r["busy"] == {"raised": True, "forward_saw_ctx": True, "restored": True}, r  # LoRA tokens: untouched
-    assert r["none"] == {"raised": True, "forward_saw_ctx": False, "restored": True}, r
-
-
-@pytest.mark.parametrize("vllm_version,cls,method,holder,call", [
-    # the real 0.23 AscendFusedMoE.forward_impl, called as shared_forward_impl calls it (keywords)
-    ("0.23.0", "AscendFusedMoE", "forward_impl", None,
-     {"args": [], "kwargs": {"hidden_states": 1, "router_logits": 2, "return_with_event": True}}),
-    # the real in-file AscendMoERunner (v0.24-v0.26 layout) of the same sdist, context on routed_experts
-    ("0.24.0", "AscendMoERunner", "no_shared_forward_impl", "routed_experts", {"args": [1, 2], "kwargs": {}}),
-])
-def test_real_0_23_sources_resolve_and_skip(vllm_version, cls, method, holder, call):
-    env = {"MOD": "vllm_ascend.ops.fused_moe.fused_moe", "CLS": cls, "METHOD": method, VLLM_ENV: vllm_version,
-           "CALL": json.dumps(call)}
-    if holder:
-        env["HOLDER"] = holder
-    out = _probe([str(ascend_dir())], env)
-    assert out["state"] == "applied" and out["marker"] == "ascend-moe-skip-idle-lora", out
-    assert out["same_signature"], out
-    _assert_skip_semantics(out)
-
-
-FAKE_RUNNER = '''
-    import torch.nn as nn
-
-
-    class {cls}(nn.Module):
-        def set_lora_context(self, lora_context):
-            {holder}._ascend_moe_lora_context = lora_context
-
-        def {method}({params}):
-            assert self.quant_method is not None
-            if self.enable_npugraph_ex_static_kernel:
-                pass
-            return "ran"
-'''
-
-
-def _fake_site(tmp_path, layout):
-    files = {"vllm_ascend/__init__.py": "", "vllm_ascend/ops/__init__.py": "", "vllm_ascend/ops/fused_moe/__init__.py": ""}
-    if layout == "main":
-        files |= {
-            "vllm_ascend/ops/fused_moe/routed_experts.py": FAKE_RUNNER.format(
-                cls="AscendRoutedExperts", holder="self", method="forward_impl",
-                params="self, *, hidden_states, router_logits, input_ids=None"),
-            "vllm_ascend/ops/fused_moe/fused_moe.py": "from .routed_experts import AscendRoutedExperts\n",
-        }
-        version = "0.26.1.dev123+g182b75ea"  # a source install of main: the gate must admit it
-    else:
-        files |= {
-            "vllm_ascend/ops/fused_moe/fused_moe.py": FAKE_RUNNER.format(
-                cls="AscendMoERunner", holder="self.routed_experts", method="no_shared_forward_impl",
-                params="self, hidden_states, router_logits, return_with_event=False"),
-        }
-        version = "0.26.0rc1"
-    return fakes.make_dist(tmp_path / layout, "vllm-ascend", version, files)
-
-
-@pytest.mark.parametrize("layout,mod,cls,method,holder,call", [
-    ("main", "vllm_ascend.ops.fused_moe.routed_experts", "AscendRoutedExperts", "forward_impl", None,
-     {"args": [], "kwargs": {"hidden_states": 1, "router_logits": 2, "input_ids": None}}),
-    ("v0.26", "vllm_ascend.ops.fused_moe.fused_moe", "AscendMoERunner", "no_shared_forward_impl", "routed_experts",
-     {"args": [1, 2], "kwargs": {"return_with_event": True}}),
-])
-def test_layout_fakes_skip_per_forward(tmp_path, layout, mod, cls, method, holder, call):
-    site = _fake_site(tmp_path, layout)
-    env = {"MOD": mod, "CLS": cls, "METHOD": method, "CALL": json.dumps(call)}
-    if holder:
-        env["HOLDER"] = holder
-    out = _probe([str(site)], env)
-    assert out["state"] == "applied", out
-    assert out["marker"] == "ascend-moe-skip-idle-lora" and out["same_signature"], out
-    _assert_skip_semantics(out)
-
-
-def test_main_layout_patches_only_routed_experts(tmp_path):
-    site = _fake_site(tmp_path, "main")
-    code = """
-        import json, omni_patches
-        omni_patches.activate(force=True)
-        import vllm_ascend.ops.fused_moe.fused_moe as fm
-        st = {s.id: s for s in omni_patches.status()}["ascend-moe-skip-idle-lora"]
-        print("RESULT " + json.dumps({"state": st.state, "targets": list(st.applied_targets),
-              "marker": getattr(fm.AscendRoutedExperts.forward_impl, "__omni_patch__", None)}))
-    """
-    out = _result(run_python(code, str(site), env=ROOT_ENV))
-    assert out["state"] == "applied" and out["marker"] == "ascend-moe-skip-idle-lora", out
 
 
 # --------------------------------------------------------------------------------------------------

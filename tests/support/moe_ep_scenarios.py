@@ -26,6 +26,7 @@ from pathlib import Path
 
 PATCH_ID = "moe-ep-parallel-mapping"
 NPU_MOD = "vllm_omni.platforms.npu.models.hunyuan_fused_moe"
+MOE_FIELDS = ("use_ep", "ep_size", "ep_rank", "tp_size", "tp_rank", "dp_size", "dp_rank", "pcp_size", "pcp_rank")
 
 
 def activate_patch() -> None:
@@ -52,6 +53,7 @@ def _real_source(path: Path, name: str) -> str:
 def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
     import torch
     from torch import nn
+    from vllm.config import get_current_vllm_config
     from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
     class PretrainedConfig:  # annotations only
@@ -86,7 +88,7 @@ def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
                     tp_size_=get_tensor_model_parallel_world_size(), pcp_size_=pcp,
                     dp_size_=vps.get_dp_group().world_size, sp_size_=1,
                     vllm_parallel_config=get_current_vllm_config().parallel_config)
-                rec.update(ep_size=cfg.ep_size, ep_rank=cfg.ep_rank, pcp_size=cfg.pcp_size)
+                rec.update({k: getattr(cfg, k) for k in MOE_FIELDS})
             except Exception as exc:
                 rec["error"] = f"{type(exc).__name__}: {exc}"
             HunyuanFusedMoE.calls.append(rec)
@@ -99,19 +101,38 @@ def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
     rel = Path(*transformer_module_name(module.__omni_version__).split(".")).with_suffix(".py")
     src = _real_source(omni_root / rel, "HunYuanSparseMoeBlock")
     module.__dict__.update(torch=torch, nn=nn, get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
-                           PretrainedConfig=PretrainedConfig, QuantizationConfig=QuantizationConfig,
+                           get_current_vllm_config=get_current_vllm_config, PretrainedConfig=PretrainedConfig, QuantizationConfig=QuantizationConfig,
                            ReplicatedLinear=ReplicatedLinear, HunYuanMLP=HunYuanMLP, HunyuanFusedMoE=HunyuanFusedMoE)
     exec(compile(src, f"<real HunYuanSparseMoeBlock from {rel}>", "exec"), module.__dict__)
 
 
 def _fill_npu(module: types.ModuleType, omni_root: Path) -> None:
-    import torch
-    from vllm.distributed.parallel_state import init_model_parallel_group
+    """The real ``_init_mc2_group_for_diffusion`` and ``prepare_hunyuan_fused_moe_runtime`` of the wheel, with
+    the names they import bound to the real omni/vLLM objects; the vllm-ascend / CANN parts
+    (``_select_moe_comm_method``, ``_MoECommMethods``, forward-context attributes) are inert stand-ins."""
+    import typing
 
+    import torch
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size, init_model_parallel_group
+
+    import vllm_omni.diffusion.distributed.parallel_state as ops
+    from vllm_omni.diffusion.forward_context import get_forward_context
+
+    class MoECommType:  # vllm_ascend.ascend_forward_context.MoECommType (annotations only here)
+        pass
+
+    module.__dict__.update(
+        torch=torch, Any=typing.Any, vllm_init_model_parallel_group=init_model_parallel_group,
+        get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
+        get_world_group=ops.get_world_group, get_data_parallel_world_size=ops.get_data_parallel_world_size,
+        omni_get_ctx=get_forward_context, MoECommType=MoECommType, _MoECommMethods={},
+        _select_moe_comm_method=lambda vllm_config: None,
+        _ensure_forward_context_attr=lambda name, annotation, default: None)
+    if hasattr(ops, "get_expert_parallel_group_ranks"):  # 0.24.0
+        module.get_expert_parallel_group_ranks = ops.get_expert_parallel_group_ranks
     rel = Path(*NPU_MOD.split(".")).with_suffix(".py")
-    module.__dict__.update(torch=torch, vllm_init_model_parallel_group=init_model_parallel_group)
-    exec(compile(_real_source(omni_root / rel, "_init_mc2_group_for_diffusion"),
-                 f"<real _init_mc2_group_for_diffusion from {rel}>", "exec"), module.__dict__)
+    for name in ("_init_mc2_group_for_diffusion", "prepare_hunyuan_fused_moe_runtime"):
+        exec(compile(_real_source(omni_root / rel, name), f"<real {name} from {rel}>", "exec"), module.__dict__)
 
 
 class _ModelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -160,14 +181,12 @@ def install_model_standins(omni_version: str) -> None:
     sys.meta_path.insert(sys.meta_path.index(overlay), _ModelFinder(overlay.root, omni_version))
 
 
-def _model_checks(omni_version: str, world_size: int) -> dict:
-    """Build the real HunYuanSparseMoeBlock and call the real _init_mc2_group_for_diffusion, as the runtime does."""
+def _model_checks(omni_version: str) -> dict:
+    """Build the real HunYuanSparseMoeBlock and run the real ``prepare_hunyuan_fused_moe_runtime``, as the
+    runtime does when the NPU MoE layer is created (it builds vllm-ascend's MC2 group)."""
     from types import SimpleNamespace
 
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
-
-    import vllm_omni.diffusion.distributed.parallel_state as ops
+    from tests.support.ep_equivalence import coordinator
 
     tf = importlib.import_module(transformer_module_name(omni_version))
     npu = importlib.import_module(NPU_MOD)
@@ -178,15 +197,10 @@ def _model_checks(omni_version: str, world_size: int) -> dict:
     tf.HunYuanSparseMoeBlock(cfg, layer_id=0, prefix="model.layers.0.mlp")
     out = {"fused_moe": tf.HunyuanFusedMoE.calls[-1] if tf.HunyuanFusedMoE.calls else None,
            "fused_moe_binding_layers": _layers(tf.__dict__["HunyuanFusedMoE"])}
-    # What stock prepare_hunyuan_fused_moe_runtime() passes.
-    world = ops.get_world_group()
     vaps._MC2 = None
-    npu._init_mc2_group_for_diffusion(
-        world_size=dist.get_world_size(), data_parallel_size=ops.get_data_parallel_world_size(),
-        tensor_parallel_size=get_tensor_model_parallel_world_size(),
-        backend=dist.get_backend(world.device_group), local_rank=world.local_rank)
+    npu.prepare_hunyuan_fused_moe_runtime()
     mc2 = vaps._MC2
-    out["mc2"] = {"ranks": list(mc2.ranks), "world_size": mc2.world_size} if mc2 is not None else None
+    out["mc2"] = coordinator(mc2)
     if mc2 is not None:
         mc2.destroy()
     vaps._MC2 = None
@@ -202,17 +216,20 @@ def _layers(obj):
 def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
     """Several worker-style inits in one world: per phase init -> facts (-> model checks) -> destroy ->
     after-destroy facts (-> re-init -> facts -> destroy). ``params``: omni_version, phases (list of dicts
-    with tp/sp/cfg/dp/pp/ep/moe/num_experts, optional ``reinit`` and ``model``)."""
+    with tp/sp/ring/cfg/dp/pp/fs/replicate/ep/moe/num_experts, optional ``reinit``, ``model`` and ``equiv``:
+    per-rank facts for the equivalence test, see tests/support/ep_equivalence.py), worker_maps_moe_config
+    (the worker sets vLLM PCP/DP itself, as 0.24.0's does)."""
     import omni_patches
     import vllm.distributed.parallel_state as vps
 
     import vllm_omni.diffusion.distributed.parallel_state as ops
+    from tests.support import ep_equivalence as eq
     from tests.support.ep_world import _degrees, collect_facts, group_facts, make_od_config
     from vllm_omni.diffusion.worker import diffusion_worker as dw
 
     out: dict = {"phases": []}
-    models = any(p.get("model") for p in params["phases"])
-    if models:
+    dw.MAP_MOE_VLLM_CONFIG = bool(params.get("worker_maps_moe_config", False))
+    if any(p.get("model") or p.get("equiv") for p in params["phases"]):
         install_model_standins(params["omni_version"])
     names = ("_TP", "_PCP", "_DP", "_EP", "_PP")
     first = True
@@ -221,25 +238,36 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
         out["phases"].append(rec)
         d = _degrees(phase)
         worker = dw.DiffusionWorker(rank, make_od_config(world_size, phase))
+        eq.CAPTURED.clear()
         t0 = time.perf_counter()
         try:
-            worker.init_device(init_dist=first)
+            with _failing_vllm_group(phase.get("fail_group")):
+                worker.init_device(init_dist=first)
         except Exception as exc:
             first = False
             rec["init_error"] = f"{type(exc).__name__}: {exc}"
             ops.destroy_model_parallel()  # the original raised half-way: clean up for the next phase
             rec["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+            if phase.get("equiv"):
+                rec["equiv"] = {"init_error": rec["init_error"], "after_destroy": eq.after_destroy_facts()}
             continue
         first = False
         rec["init_s"] = round(time.perf_counter() - t0, 3)
+        all2all = list(eq.CAPTURED)
         with worker.contexts():
             rec["first"] = collect_facts(d)
             rec["patch_ep_ranks"] = _patch_ranks()
-            if phase.get("model"):
-                rec["model"] = _model_checks(params["omni_version"], world_size)
+            if phase.get("equiv"):
+                rec["equiv"] = dict(eq.layout_facts(), all2all=all2all)
+            if phase.get("model") or phase.get("equiv"):
+                rec["model"] = _model_checks(params["omni_version"])
+                if phase.get("equiv"):
+                    rec["equiv"].update(fused_moe=rec["model"]["fused_moe"], mc2=rec["model"]["mc2"])
         built = {n: getattr(vps, n, None) for n in names}
         ops.destroy_model_parallel()
         rec["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+        if phase.get("equiv"):
+            rec["equiv"]["after_destroy"] = eq.after_destroy_facts()
         rec["built_alive_after_destroy"] = {n: _alive(g) for n, g in built.items()}
         rec["patch_ep_ranks_after_destroy"] = _patch_ranks()
         if phase.get("reinit"):
@@ -248,12 +276,33 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
                 rec["second"] = collect_facts(d)
             ops.destroy_model_parallel()
             rec["after_second_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+        rec["phase_s"] = round(time.perf_counter() - t0, 3)
     st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
     out["patch"] = None if st is None else {"state": st.state, "reason": st.reason,
                                             "applied_targets": list(st.applied_targets)}
     out["worker_binding_layers"] = _layers(dw.__dict__["initialize_model_parallel"])
     ops.destroy_distributed_env()
     return out
+
+
+def _failing_vllm_group(group_name):
+    """Failure injection: vLLM's ``init_model_parallel_group`` raises for ``group_name`` (in every rank, before
+    any process group of it is created, so the ranks stay in step); other groups are built as usual."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    import vllm.distributed.parallel_state as vps
+
+    if not group_name:
+        return nullcontext()
+    real = vps.init_model_parallel_group
+
+    def init_model_parallel_group(*args, **kwargs):
+        if kwargs.get("group_name") == group_name:
+            raise RuntimeError(f"injected: cannot build the {group_name!r} group")
+        return real(*args, **kwargs)
+
+    return mock.patch.object(vps, "init_model_parallel_group", side_effect=init_model_parallel_group)
 
 
 def _alive(g):

@@ -1,25 +1,21 @@
 """Directories that make the REAL idle-MoE-LoRA targets importable in a fresh interpreter via ``sys.path`` alone.
 
-``omni_manager.omni_sandbox`` and ``ascend_stubs.ascend_sandbox`` install their stand-ins in the running
-process; the contract (``support.contract_child``) only prepends ``Env.paths()``. So each directory here
-holds the real upstream files, byte for byte, plus a ``<dist>-<version>.dist-info`` (the engine's version
+``omni_manager.omni_sandbox`` installs its stand-ins in the running process; the contract
+(``support.contract_child``) only prepends ``Env.paths()``. So each directory here holds the real upstream files, byte for byte, plus a ``<dist>-<version>.dist-info`` (the engine's version
 gate reads it) and a package ``__init__`` that installs the same stand-ins on first import:
 
 * :func:`omni_manager_dir` -- ``vllm_omni/diffusion/lora/**``, ``diffusion/offloader/config.py`` and
   ``lora/utils.py`` of a vllm-omni wheel; ``vllm_omni/__init__.py`` puts ``omni_manager``'s vLLM stand-ins
   into ``sys.modules``.
-* :func:`ascend_dir` -- ``ascend_stubs.REAL_FILES`` of a vllm-ascend sdist; ``vllm_ascend/__init__.py``
-  installs ``ascend_stubs``' finder rooted at this directory (so ``Env.edited`` copies load their edited
-  files), with ``vllm`` at ``$OMNI_TEST_ASCEND_VLLM`` (default 0.23.0: the 0.23 layout; 0.24.0 selects the
-  in-file newer runner). Modules that do not exist in 0.23 (``routed_experts``) stay unimportable.
 
-Both bootstraps import ``tests.support.*``: the repository root must be on ``sys.path`` (it is in the
+(The real vllm-ascend releases, with the real vLLM each was built for, live in :mod:`tests.support.ascend_real`.)
+
+The bootstrap imports ``tests.support.*``: the repository root must be on ``sys.path`` (it is in the
 contract child and in the subprocesses the tests start).
 """
 from __future__ import annotations
 
 import hashlib
-import importlib.abc
 import os
 import shutil
 import sys
@@ -28,10 +24,6 @@ from pathlib import Path
 
 from . import wheels
 from .venvs import without_switches
-
-VLLM_ENV = "OMNI_TEST_ASCEND_VLLM"
-# Names a newer vllm-ascend has but 0.23 does not: the auto-stub finder must not invent them.
-ASCEND_ABSENT = ("vllm_ascend.ops.fused_moe.routed_experts",)
 
 _OMNI_COPY = ("vllm_omni/diffusion/lora", "vllm_omni/diffusion/offloader/config.py", "vllm_omni/lora/utils.py")
 _OMNI_EMPTY = ("vllm_omni/diffusion/__init__.py", "vllm_omni/diffusion/offloader/__init__.py",
@@ -44,14 +36,6 @@ from tests.support import omni_manager as _om
 
 for _name, _mod in _om._vllm_stub_modules("cuda").items():
     sys.modules.setdefault(_name, _mod)
-'''
-_ASCEND_INIT = '''\
-"""omni-patches test sandbox: torch_npu / vLLM / vllm_ascend stand-ins, then the real MoE files."""
-from pathlib import Path
-
-from tests.support import moe_sandboxes as _ms
-
-_ms.install_ascend_finder(Path(__file__).resolve().parent.parent)
 '''
 
 
@@ -97,61 +81,6 @@ def omni_manager_dir(version: str = "0.32.0rc1", *, metadata_version: str | None
         _dist_info(dst, "vllm-omni", meta, "vllm_omni")
 
     return _build(f"omni-manager-{version}-as-{meta}", f"{version}|{meta}|{_OMNI_INIT}|{_OMNI_COPY}", fill)
-
-
-def ascend_dir(version: str = "0.23.0.post1", *, metadata_version: str | None = None) -> Path:
-    """Real vllm-ascend MoE files of ``version`` (sdist); dist-info says ``metadata_version``."""
-    from . import ascend_stubs
-
-    meta = metadata_version or version
-    src = ascend_stubs.sdist_root(version)
-
-    def fill(dst: Path) -> None:
-        for rel in ascend_stubs.REAL_FILES.values():
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / rel, dst / rel)
-        (dst / "vllm_ascend/__init__.py").write_text(_ASCEND_INIT)
-        _dist_info(dst, "vllm-ascend", meta, "vllm_ascend")
-
-    return _build(f"ascend-moe-{version}-as-{meta}", f"{version}|{meta}|{_ASCEND_INIT}", fill)
-
-
-class _SandboxFinder(importlib.abc.MetaPathFinder):
-    """``ascend_stubs._Finder`` rooted at the sandbox, minus the modules 0.23 does not have."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname in ASCEND_ABSENT:
-            return None
-        return self.inner.find_spec(fullname, path, target)
-
-
-def install_ascend_finder(root: Path) -> None:
-    """Called by the sandbox's ``vllm_ascend/__init__.py``: stand-ins as ``ascend_sandbox`` installs them."""
-    from unittest.mock import MagicMock
-
-    import torch
-
-    from . import ascend_stubs
-
-    if any(isinstance(f, _SandboxFinder) for f in sys.meta_path):
-        return
-    vllm_version = os.environ.get(VLLM_ENV, "0.23.0")
-    inner = ascend_stubs._Finder(root, ascend_stubs._ROOTS, ascend_stubs._overrides(vllm_version))
-    # Behind the import-hook finders (wrapt's, the engine's trigger): they delegate to us, and a finder
-    # in front of them would hide the imports their post-import hooks wait for.
-    pos = 0
-    for i, f in enumerate(sys.meta_path):
-        if type(f).__module__.split(".")[0] in ("wrapt", "omni_patches"):
-            pos = i + 1
-    sys.meta_path.insert(pos, _SandboxFinder(inner))
-    if not hasattr(torch, "npu"):
-        npu = MagicMock(name="torch.npu")
-        npu.Stream = MagicMock
-        npu.Event = MagicMock
-        torch.npu = npu
 
 
 def run_python(code: str, *paths: str, env: dict | None = None, timeout: int = 300):

@@ -267,3 +267,73 @@ def install_project(python: Path, project_root: Path) -> None:
     if proc.returncode:
         out = (proc.stdout + proc.stderr).splitlines()[-60:]
         raise RuntimeError(f"installing {project_root} into {python} failed:\n" + "\n".join(out))
+
+
+# -- Ray layer (tests/test_ray_cluster.py) --------------------------------------------------------------------
+#: omni version of the stack -> pinned ray. Layered, so the stack venv and its recipe key stay untouched.
+RAY_RECIPES: dict[str, str] = {"0.28.0": "2.60.0"}
+
+_LAYER_PTH = "_omni_stack_base.pth"
+
+
+def ray_venv_dir(omni_version: str) -> Path:
+    return VENVS / f"ray-{RAY_RECIPES[omni_version]}-omni-{omni_version}"
+
+
+def _ray_recipe_key(omni_version: str) -> str:
+    blob = json.dumps([_recipe_key(omni_version), RAY_RECIPES[omni_version], _LAYER_PTH, sys.version_info[:2]])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def ray_python(omni_version: str = "0.28.0") -> Path:
+    """Interpreter of a small venv layered on the stack venv of ``omni_version``, plus the pinned ray.
+
+    One ``.pth`` line runs ``site.addsitedir`` on the stack venv's site-packages, so everything there --
+    vllm, vllm-omni, this project (as ``install_project`` put it there), its ``.pth`` and the torchvision
+    fix -- is part of this interpreter too; ``pip install ray==X`` then adds only what the stack lacks (ray,
+    msgpack, ~270 MB). ``ray start`` from this venv starts every Ray process (raylets, workers) on it.
+    """
+    if omni_version not in RAY_RECIPES:
+        raise ValueError(f"no Ray recipe for vllm-omni {omni_version!r}; known: {', '.join(RAY_RECIPES)}")
+    base = stack_python(omni_version)
+    venv = ray_venv_dir(omni_version)
+    python = _venv_python(venv)
+    marker = venv / MARKER
+    key = _ray_recipe_key(omni_version)
+
+    def built():
+        try:
+            return json.loads(marker.read_text()).get("recipe") == key
+        except (OSError, ValueError):
+            return False
+
+    if built():
+        return python
+    with _locked(f"venv-ray-omni-{omni_version}"):
+        if built():
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
+        log_path = VENVS / f"{venv.name}.log"
+        env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
+        try:
+            with open(log_path, "w") as log:
+                started = time.monotonic()
+                _run([sys.executable, "-m", "venv", str(venv)], log, env=env)
+                layer_site = _site_packages(python)
+                (layer_site / _LAYER_PTH).write_text(
+                    f"import site; site.addsitedir({str(_site_packages(base))!r})\n")
+                _run([str(python), "-m", "pip", "install", "--progress-bar", "off",
+                      f"ray=={RAY_RECIPES[omni_version]}"], log, env=env)
+                _run([str(python), "-c", "import importlib.metadata as m, vllm, ray; print('torch', m.version('torch'),"
+                      " 'ray', ray.__version__); assert m.version('torch').endswith('+cpu')"], log, env=env)
+                log.write(f"\nbuilt in {time.monotonic() - started:.0f}s\n")
+        except (subprocess.CalledProcessError, OSError) as exc:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise RuntimeError(f"building the Ray layer for vllm-omni {omni_version} failed ({exc}); log: {log_path}\n"
+                               f"{_tail(log_path)}") from exc
+        tmp = venv / (MARKER + ".tmp")
+        tmp.write_text(json.dumps({"recipe": key, "built": time.time()}))
+        os.replace(tmp, marker)
+    return python

