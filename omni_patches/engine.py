@@ -467,12 +467,14 @@ def inactive_reason(environ=None):
 
 
 def _pth_installed():
+    """Whether an ``omni_patches.pth`` sits in a directory of this interpreter's path (site-packages of a venv,
+    of a venv layered on another one, or the user site)."""
+    import os
     import site
 
     dirs = list(getattr(site, "getsitepackages", lambda: [])()) + [getattr(site, "getusersitepackages", lambda: "")()]
-    import os
-
-    return any(d and os.path.exists(os.path.join(d, "omni_patches.pth")) for d in dirs)
+    dirs += [d for d in sys.path if d]
+    return any(d and os.path.exists(os.path.join(d, "omni_patches.pth")) for d in dict.fromkeys(dirs))
 
 
 def _record(spec, state, reason, decision, applied=(), changed=()):

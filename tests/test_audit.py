@@ -179,17 +179,28 @@ def test_one_distribution_twice_audits_each_version(fake, capsys, tmp_path, monk
 # -- real wheels --------------------------------------------------------------------------------------
 # What /work/shared/TARGETS.md §0 implies, per vllm-omni release, with no vllm-ascend given.
 # lora-cpu-fused-delta is opt-in and applies wherever the stock CPU merge exists (0.27.0rc1+).
+S = "omni-stage-shutdown-nonblocking"
 EXPECTED = {
     "0.22.0": {"lora-accel-delta": OUT, "lora-cpu-fused-delta": OUT, "moe-ep-parallel-mapping": APPLY,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT},
+               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: OUT},
     "0.24.0": {"lora-accel-delta": OUT, "lora-cpu-fused-delta": OUT, "moe-ep-parallel-mapping": FIXED,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT},
+               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: APPLY},
     "0.28.0": {"lora-accel-delta": APPLY, "lora-cpu-fused-delta": APPLY, "moe-ep-parallel-mapping": FIXED,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT},
+               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: APPLY},
     "0.30.0": {"lora-accel-delta": FIXED, "lora-cpu-fused-delta": APPLY, "moe-ep-parallel-mapping": FIXED,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT},
+               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: APPLY},
     "0.32.0rc1": {"lora-accel-delta": FIXED, "lora-cpu-fused-delta": APPLY, "moe-ep-parallel-mapping": FIXED,
-                  "moe-lora-idle-detach": APPLY, "ascend-moe-skip-idle-lora": ABSENT},
+                  "moe-lora-idle-detach": APPLY, "ascend-moe-skip-idle-lora": ABSENT, S: FIXED},
+}
+# vllm-ascend releases (wheels up to 0.26.0rc1, sdists from the index after): the three Ascend patches.
+ASCEND = ("ascend-moe-skip-idle-lora", "ascend-allgather-finalize-order", "ascend-execute-model-timeout")
+EXPECTED_ASCEND = {
+    "0.22.1rc1": (OUT, APPLY, APPLY),
+    "0.23.0.post1": (APPLY, APPLY, FIXED),  # the timeout fix was cherry-picked into 0.23 (found in the code)
+    "0.24.0rc1": (APPLY, FIXED, APPLY),
+    "0.26.0rc1": (APPLY, FIXED, APPLY),
+    "0.27.1rc1": (APPLY, FIXED, FIXED),
+    "0.30.0rc2": (APPLY, FIXED, FIXED),
 }
 ROWS = [(v, pid) for v, row in EXPECTED.items() for pid in row]
 AUDIT_CACHE = wheels.CACHE / "audit"
@@ -223,6 +234,20 @@ def test_real_wheels_match_the_version_table(version, patch_id):
         pytest.skip(f"{patch_id} is not in patches.toml yet (another engineer is adding it)")
     rc, got = _real_audit(_wheel("vllm-omni", version))
     assert got[patch_id]["verdict"] == EXPECTED[version][patch_id], got[patch_id]
+    assert rc == 0
+
+
+@pytest.mark.parametrize("version", list(EXPECTED_ASCEND))
+def test_real_ascend_releases_match_the_version_table(version):
+    try:
+        archive = wheels.download("vllm-ascend", version)
+    except RuntimeError:
+        archive = wheels.download("vllm-ascend", version, sdist=True)
+    rc, got = _real_audit(archive)
+    for patch_id, verdict in zip(ASCEND, EXPECTED_ASCEND[version]):
+        assert got[patch_id]["verdict"] == verdict, (patch_id, got[patch_id])
+        if verdict == APPLY:
+            assert "found: " in got[patch_id]["detail"], got[patch_id]  # names what it would change
     assert rc == 0
 
 

@@ -53,7 +53,9 @@ def test_ray_executor_carries_the_switches(shimmed_stack):
     got = _json(run(python, code, OMNI_PATCHES="1", OMNI_PATCHES_LORA_CPU_FUSED_DELTA="1",
                     VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY="MYORG_"))
     assert got["prefixes"] == "MYORG_,OMNI_PATCHES"
-    assert got["copied"] == ["OMNI_PATCHES", "OMNI_PATCHES_LORA_CPU_FUSED_DELTA"]
+    # The switches, the instance id the first activation set, and the test session's state directory.
+    assert got["copied"] == ["OMNI_PATCHES", "OMNI_PATCHES_INSTANCE", "OMNI_PATCHES_LORA_CPU_FUSED_DELTA",
+                             "OMNI_PATCHES_STATE_DIR"]
     # Without the shim, vLLM would not carry them: the real function is what decides.
     got = _json(run(python, code, OMNI_PATCHES_LORA_CPU_FUSED_DELTA="1"))
     assert got["copied"] == [] and got["prefixes"] is None

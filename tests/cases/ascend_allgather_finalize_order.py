@@ -19,14 +19,18 @@ V023 = _env("0.23.0.post1")
 
 CASE = Case(
     patch_id="ascend-allgather-finalize-order",
-    affected=[*(_env(v) for v in AFFECTED), _env("0.23.0.post1", "0.0.0")],
+    affected=[_env(v) for v in AFFECTED],
     skipped=[
         (_env(FIRST_FIXED), "skipped:version", "fixed upstream in vllm-ascend 0.24.0rc1"),
         (_env("0.25.1rc1"), "skipped:version", "fixed upstream"),
         (_env("0.26.0rc1"), "skipped:version", "fixed upstream"),
+        (_env("0.12.0rc1"), "skipped:version", "outside"),
+    ],
+    source_built=[
+        (_env("0.23.0.post1", "0.0.0"), "applied", "is a source build without tags"),
+        (_env("0.23.0.post1", SOURCE_BUILD), "applied", "decided by code features"),
         (_env(FIRST_FIXED, SOURCE_BUILD), "skipped:version", "PCP reduce-scatter already comes first"),
         (_env("0.30.0rc2", SOURCE_BUILD), "skipped:version", "PCP reduce-scatter already comes first"),
-        (_env("0.12.0rc1"), "skipped:version", "outside"),
     ],
     drifted=[
         (Env.edited("ascend-0.23-finalize-renamed", V023, REL, "def _finalize_with_dp_group(",

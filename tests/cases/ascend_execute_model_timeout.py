@@ -36,12 +36,16 @@ CASE = Case(
     skipped=[
         (_env("0.23.0.post1"), "skipped:version", "already raises VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"),
         (_env("0.30.0rc2"), "skipped:version", "fixed upstream in vllm-ascend 0.27.1rc1"),
-        (_env("0.30.0rc2", metadata_version="0.0.0"), "skipped:version", "already raises"),  # source build
         (_env("0.18.0", metadata_version="0.17.0rc1"), "skipped:version", "outside"),
         (Env.edited("vllm-default-raised", V026, "vllm/envs.py",
                     'os.getenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300")',
                     'os.getenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")'), "skipped:version",
          "vLLM's own default"),
+    ],
+    source_built=[
+        (_env("0.26.0rc1", metadata_version="0.19.1rc2.dev1637+g182b75ea8"), "applied", "decided by code features"),
+        (_env("0.24.0rc1", metadata_version="0.0.0"), "applied", "is a source build without tags"),
+        (_env("0.30.0rc2", metadata_version="0.0.0"), "skipped:version", "already raises"),
     ],
     drifted=[
         (Env.edited("vllm-renamed-variable", V026, "vllm/envs.py",

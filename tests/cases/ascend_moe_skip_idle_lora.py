@@ -14,6 +14,17 @@ V026 = Env("ascend-0.26.0rc1-vllm-0.26.0", lambda: paths("0.26.0rc1"))  # Ascend
 V030 = Env("ascend-0.30.0rc2-vllm-0.30.0", lambda: paths("0.30.0rc2"))  # AscendRoutedExperts.forward_impl
 # No runner method matches: the narrow fallback on moe_mlp.unquant_apply_mlp applies instead (moe_mlp is no
 # target of its own: the contract snapshots it too).
+# Issue 14: the same real files installed with the metadata a source checkout carries (setuptools_scm from the
+# nearest reachable tag: main reports 0.19.1rc2.dev1637+g182b75ea8; no tags: 0.0.0).
+SOURCE_BUILDS = ("0.19.1rc2.dev1637+g182b75ea8", "0.0.0", "0.27.0.dev12+gabc")
+ASSUME = "OMNI_PATCHES_ASSUME_VERSION"
+
+
+def _as(release, metadata, **env):
+    label = f"ascend-{release}-as-{metadata}" + "".join(f"-{v}" for v in env.values())
+    return Env(label, lambda: paths(release, metadata_version=metadata), env)
+
+
 FALLBACK = Env.edited("ascend-0.26.0rc1-runner-renamed", V026, FM, "def no_shared_forward_impl(",
                       "def routed_forward_impl(", imports=[FM_MOD, MLP_MOD])
 
@@ -29,6 +40,19 @@ CASE = Case(
         (Env.edited("ascend-0.30.0rc2-apply-gmm1-gated", V030, RE, "        if lora_context is not None:  # LoRA applied",
                     "        if has_lora(lora_context):  # LoRA applied"),
          "skipped:version", "AscendUnquantizedFusedMoEMethod.apply_gmm1 already gates"),
+    ],
+    source_built=[
+        *((_as(release, version), "applied", f"vllm-ascend {version} is a source build")
+          for release in ("0.26.0rc1", "0.30.0rc2") for version in SOURCE_BUILDS),
+        *((_as("0.30.0rc2", version), "applied", "decided by code features (AscendRoutedExperts.forward_impl")
+          for version in SOURCE_BUILDS[:1]),
+        # The same files with a release number keep the version rule ...
+        (_as("0.30.0rc2", "0.19.1rc1"), "skipped:version", "vllm-ascend 0.19.1rc1 is outside >=0.23.0"),
+        # ... and an explicit version wins over both the number and the code features.
+        (_as("0.30.0rc2", SOURCE_BUILDS[0], **{ASSUME: "vllm-ascend=0.22.0"}), "skipped:version",
+         "vllm-ascend 0.22.0 assumed (OMNI_PATCHES_ASSUME_VERSION; installed 0.19.1rc2.dev1637+g182b75ea8)"),
+        (_as("0.30.0rc2", "0.19.1rc1", **{ASSUME: "vllm-ascend=0.30.0rc2"}), "applied",
+         "vllm-ascend 0.30.0rc2 assumed"),
     ],
     drifted=[
         (Env.edited("ascend-0.26.0rc1-runner-and-mlp-renamed", FALLBACK, MLP, "    lora_context=None,\n",

@@ -33,6 +33,12 @@ CASE = Case(
         # 0.16.0 has no enable_expert_parallel at all; the version gate says so before any import.
         (_env("0.16.0"), "skipped:version", "outside >=0.18.0,<0.24.0"),
     ],
+    source_built=[
+        (Env.source_build(OMNI_022, "vllm_omni-0.22.0.dist-info/METADATA", "0.22.0", "0.22.1.dev7+g0a1b2c3d",
+                          imports=IMPORTS), "applied", "decided by code features"),
+        (Env.source_build(OMNI_024, "vllm_omni-0.24.0.dist-info/METADATA", "0.24.0", "0.0.0", imports=IMPORTS),
+         "skipped:version", "has get_expert_parallel_group_ranks"),
+    ],
     drifted=[
         (Env.edited("omni-0.22.0-ep-param-renamed", OMNI_022, "vllm_omni/diffusion/distributed/parallel_state.py",
                     "    enable_expert_parallel: bool = False,\n", "    enable_ep: bool = False,\n",

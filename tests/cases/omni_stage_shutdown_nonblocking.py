@@ -25,6 +25,12 @@ CASE = Case(
         # 0.23.0rc1 connect()s the request socket: its send queues and never blocks.
         (sandbox("0.23.0rc1"), "skipped:version", "outside"),
     ],
+    source_built=[
+        (Env.source_build(BASE, "vllm_omni-0.28.0.dist-info/METADATA", "0.28.0", "0.28.1.dev3+g9f8e7d6c"), "applied",
+         "decided by code features"),
+        (Env.source_build(sandbox("0.32.0rc1"), "vllm_omni-0.32.0rc1.dist-info/METADATA", "0.32.0rc1", "0.0.0"),
+         "skipped:version", "fixed upstream"),
+    ],
     drifted=[
         (Env.edited("omni-0.28.0-renamed", BASE, CLIENT_RELPATH, "    def shutdown(self) -> None:",
                     "    def close(self) -> None:"), "no attribute 'shutdown'"),
