@@ -107,7 +107,7 @@ def main(argv=None):
         passes.append((f"{model or 'this CPU'} with oneDNN capped to {cap}: no native bf16",
                        {**env, "ONEDNN_MAX_CPU_ISA": cap}))
     else:
-        print(f"(second pass skipped: this CPU has no native bf16 to take away; the pass above is that case)")
+        print("(second pass skipped: this CPU has no native bf16 to take away; the pass above is that case)")
     results = []
     for i, (label, penv) in enumerate(passes):
         print(f"\n===== pass {i + 1}: {label}", flush=True)

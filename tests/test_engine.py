@@ -627,7 +627,7 @@ def test_malformed_assumption_is_reported_and_ignored(shim, logs, capsys, value,
     assert shim.status()["fake-double"].state == "applied"
     assert any(problem in m for m in logs.messages(logging.WARNING))
     cli.main(["status"])
-    assert f"environment: OMNI_PATCHES_ASSUME_VERSION" in capsys.readouterr().out
+    assert "environment: OMNI_PATCHES_ASSUME_VERSION" in capsys.readouterr().out
 
 
 # -- strict mode and status truth (issue 11) --------------------------------------------------------------

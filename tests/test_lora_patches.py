@@ -10,7 +10,6 @@ weights are from a float64 reference.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 

@@ -90,7 +90,6 @@ def fp32_blocked(w, b, a, sign):
     if w.dtype in (torch.float32, torch.float64):
         return addmm(w, b, a, sign)  # already (at least) fp32: blocks would only add roundings into the copy
     rows, width = w.shape
-    rank = a.shape[0]
     step = min(rows, block_rows(width))
     # Everything allocated before the first write: a failure here leaves the weight untouched. B and A are
     # converted whole (rank-sized): three ops per block, each one of torch's parallel regions -- on a host

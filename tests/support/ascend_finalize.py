@@ -40,6 +40,8 @@ from unittest.mock import MagicMock
 from packaging.version import Version
 
 from . import wheels
+from .fakes import write_dist_info
+from .automods import AutoModule
 
 TARGET = "vllm_ascend.ops.fused_moe.prepare_finalize"
 REL = "vllm_ascend/ops/fused_moe/prepare_finalize.py"
@@ -165,38 +167,12 @@ def _overrides() -> dict[str, dict[str, Any]]:
     }
 
 
-class _AutoMeta(type):
-    def __getattr__(cls, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = MagicMock(name=f"{cls.__qualname__}.{name}")
-        type.__setattr__(cls, name, value)
-        return value
-
-
-class _AutoBase(metaclass=_AutoMeta):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-class _AutoModule(types.ModuleType):
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper() and not name.isupper():
-            value: Any = _AutoMeta(name, (_AutoBase,), {"__module__": self.__name__, "__qualname__": name})
-        else:
-            value = MagicMock(name=f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-
 _ROOTS = ("vllm", "vllm_ascend", "torch_npu")
 
 
 class _StubLoader(importlib.abc.Loader):
     def create_module(self, spec):
-        mod = _AutoModule(spec.name)
+        mod = AutoModule(spec.name)
         mod.__path__ = []
         return mod
 
@@ -287,11 +263,7 @@ def sandbox_dir(version: str, *, metadata_version: str | None = None) -> Path:
             (tmp / "vllm_ascend/__init__.py").write_text(_INIT)
             (tmp / "vllm_ascend/ops/__init__.py").write_text("")
             (tmp / "vllm_ascend/ops/fused_moe/__init__.py").write_text("")
-            info = tmp / f"vllm_ascend-{meta}.dist-info"
-            info.mkdir()
-            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {meta}\n")
-            (info / "top_level.txt").write_text("vllm_ascend\n")
-            (info / "RECORD").write_text("")
+            write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
             (tmp / ".complete").touch()
             shutil.rmtree(dst, ignore_errors=True)
             tmp.rename(dst)

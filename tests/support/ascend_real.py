@@ -36,6 +36,7 @@ import types
 from pathlib import Path
 
 from . import wheels
+from .fakes import write_dist_info
 
 ROOT = Path(__file__).resolve().parents[2]
 PYCACHE = wheels.CACHE / "pycache"
@@ -110,11 +111,7 @@ def extra_deps() -> Path:
 
 
 def _dist_info(dst: Path, version: str) -> None:
-    info = dst / f"vllm_ascend-{version}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n")
-    (info / "top_level.txt").write_text("vllm_ascend\n")
-    (info / "RECORD").write_text("")
+    write_dist_info(dst, "vllm-ascend", version, "vllm_ascend")
 
 
 def sandbox(release: str, *, metadata_version: str | None = None) -> Path:

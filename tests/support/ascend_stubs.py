@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from tests.support import wheels
+from tests.support.automods import AutoModule
 
 ASCEND_VERSION = "0.23.0.post1"
 SDIST_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"}
@@ -81,22 +82,6 @@ def sdist_root(version: str = ASCEND_VERSION) -> Path:
 # --------------------------------------------------------------------------------------
 # stand-ins (our own code)
 # --------------------------------------------------------------------------------------
-class _AutoMeta(type):
-    """Class-level attribute access on an auto class yields a cached MagicMock (enum-like use)."""
-
-    def __getattr__(cls, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = MagicMock(name=f"{cls.__qualname__}.{name}")
-        type.__setattr__(cls, name, value)
-        return value
-
-
-class _AutoBase(metaclass=_AutoMeta):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 class MoECommType(enum.Enum):
     ALLGATHER = 0
     MC2 = 1
@@ -190,25 +175,13 @@ def _overrides(vllm_version: str) -> dict[str, dict[str, Any]]:
     }
 
 
-class _AutoModule(types.ModuleType):
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper() and not name.isupper():
-            value: Any = _AutoMeta(name, (_AutoBase,), {"__module__": self.__name__, "__qualname__": name})
-        else:
-            value = MagicMock(name=f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-
 class _StubLoader(importlib.abc.Loader):
     def __init__(self, overrides: dict[str, dict[str, Any]], auto: bool) -> None:
         self.overrides = overrides
         self.auto = auto
 
     def create_module(self, spec):
-        mod = (_AutoModule if self.auto else types.ModuleType)(spec.name)
+        mod = (AutoModule if self.auto else types.ModuleType)(spec.name)
         mod.__path__ = []
         return mod
 

@@ -27,10 +27,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 from . import wheels
+from .fakes import write_dist_info
+from .automods import AutoModule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,11 +96,7 @@ def platform_dir(version: str, vllm_version: str | None = None, *, metadata_vers
             shutil.copy2(vllm / "vllm/ray/ray_env.py", tmp / "vllm/ray/ray_env.py")
             (tmp / "vllm_ascend/__init__.py").write_text(_BOOT)
             (tmp / "vllm/__init__.py").write_text(_BOOT)
-            info = tmp / f"vllm_ascend-{meta}.dist-info"
-            info.mkdir()
-            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {meta}\n")
-            (info / "top_level.txt").write_text("vllm_ascend\n")
-            (info / "RECORD").write_text("")
+            write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
             (tmp / ".complete").touch()
             shutil.rmtree(dst, ignore_errors=True)
             tmp.rename(dst)
@@ -111,39 +108,9 @@ def real_platform_file(version: str) -> Path:
 
 
 # -- stand-ins (our own code) ---------------------------------------------------------------------------
-class _AutoMeta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        from unittest.mock import MagicMock
-
-        value = MagicMock(name=f"{cls.__qualname__}.{name}")
-        type.__setattr__(cls, name, value)
-        return value
-
-
-class _AutoBase(metaclass=_AutoMeta):
-    def __init__(self, *args, **kwargs):
-        pass
-
-
-class _AutoModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper() and not name.isupper():
-            value = _AutoMeta(name, (_AutoBase,), {"__module__": self.__name__, "__qualname__": name})
-        else:
-            from unittest.mock import MagicMock
-
-            value = MagicMock(name=f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-
 class _StubLoader(importlib.abc.Loader):
     def create_module(self, spec):
-        mod = _AutoModule(spec.name)
+        mod = AutoModule(spec.name)
         mod.__path__ = list(spec.submodule_search_locations or ())
         return mod
 

@@ -12,13 +12,19 @@ def make_dist(site: Path, dist: str, version: str, files: dict[str, str]) -> Pat
         path = site / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
-    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     tops = sorted({rel.split("/")[0].removesuffix(".py") for rel in files})
-    (info / "top_level.txt").write_text("\n".join(tops) + "\n")
-    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in files))
+    write_dist_info(site, dist, version, tops, record=files)
     return site
+
+
+def write_dist_info(root: Path, dist: str, version: str, tops, record=()) -> Path:
+    """``<dist>-<version>.dist-info`` in ``root``: what importlib.metadata (the engine's gates) reads."""
+    info = Path(root) / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("".join(f"{t}\n" for t in ([tops] if isinstance(tops, str) else tops)))
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in record))
+    return info
 
 
 FAKE_LOADER = '''

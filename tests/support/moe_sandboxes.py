@@ -23,6 +23,7 @@ import textwrap
 from pathlib import Path
 
 from . import wheels
+from .fakes import write_dist_info
 from .venvs import without_switches
 
 _OMNI_COPY = ("vllm_omni/diffusion/lora", "vllm_omni/diffusion/offloader/config.py", "vllm_omni/lora/utils.py")
@@ -37,14 +38,6 @@ from tests.support import omni_manager as _om
 for _name, _mod in _om._vllm_stub_modules("cuda").items():
     sys.modules.setdefault(_name, _mod)
 '''
-
-
-def _dist_info(dst: Path, dist: str, version: str, top: str) -> None:
-    info = dst / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "top_level.txt").write_text(top + "\n")
-    (info / "RECORD").write_text("")
 
 
 def _build(label: str, recipe: str, fill) -> Path:
@@ -78,7 +71,7 @@ def omni_manager_dir(version: str = "0.32.0rc1", *, metadata_version: str | None
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             (dst / rel).write_text("")
         (dst / "vllm_omni/__init__.py").write_text(_OMNI_INIT)
-        _dist_info(dst, "vllm-omni", meta, "vllm_omni")
+        write_dist_info(dst, "vllm-omni", meta, "vllm_omni")
 
     return _build(f"omni-manager-{version}-as-{meta}", f"{version}|{meta}|{_OMNI_INIT}|{_OMNI_COPY}", fill)
 

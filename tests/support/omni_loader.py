@@ -53,6 +53,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from .fakes import write_dist_info
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOADER_RELPATH = "vllm_omni/diffusion/lora/loader.py"
 DEVICE_ENV = "OMNI_TEST_LOCAL_DEVICE"
@@ -213,10 +215,7 @@ def loader_sandbox(version: str) -> Path:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(src)
         shutil.copyfile(real, tmp / LOADER_RELPATH)
-        dist = tmp / f"vllm_omni-{version}.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-omni\nVersion: {version}\n")
-        (dist / "top_level.txt").write_text("vllm_omni\n")
+        write_dist_info(tmp, "vllm-omni", version, "vllm_omni")
         (tmp / ".complete").touch()
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
