@@ -20,6 +20,19 @@ built it records the real manager (if any) and constructs vLLM's own ``All2AllMa
 ``cpu_group`` at that same moment (the probe). :func:`test_all2all_probe_agrees_with_the_real_manager` shows
 probe and real manager capture the same groups wherever a real one exists.
 
+MoE forward (#4893's pre-hook): in TP2·U2·CFG2 and TP2·U2·DP2 every rank opens the forward context the way
+omni's HunyuanImage3 pipeline does (real ``vllm.forward_context.set_forward_context(None, vllm_config)``: no
+metadata) and calls the REAL ``HunyuanFusedMoEDefault`` of the wheel (``hunyuan_fused_moe.py`` as is) like the
+MoE block does, twice (two layers); vLLM's MoE runner is a stand-in that records the context's ``dp_metadata``
+and then runs vLLM's real ``get_ep_group().dispatch_router_logits`` / ``combine`` (identity experts) inside
+``sp_local_sizes``. Patched 0.18/0.20/0.22/0.24.0rc1 == stock 0.24.0: the metadata on every rank (fields and
+tensor values) and, on the same vLLM manager (0.20-0.24), the collectives, gathered rows and combined output.
+Not runnable on CPU: vLLM's CPU communicator has no ``all_gatherv``/``reduce_scatterv`` (NCCL on CUDA), which
+the AllGather-ReduceScatter manager calls with the metadata's sizes; ``tests/support/ep_moe_forward.py``
+supplies both over gloo and records their groups and sizes -- everything around them is vLLM's. The experts
+are not run. Stock 0.22.0 has no metadata there (and no vLLM EP dispatch at all); without the layer's hook
+vLLM's manager asserts ``dp_metadata is not None`` on the mapped groups, upstream's included.
+
 What is real and what is faked (each world: ``tests/support/ep_world.py`` + ``moe_ep_scenarios.py``):
 
 =====================================================  =====================================================
@@ -44,6 +57,12 @@ NPU ``_init_mc2_group_for_diffusion`` and               the vllm-ascend parts of
 ``prepare_hunyuan_fused_moe_runtime`` (function sources choice, forward-context attributes) and
 from the wheel, run with vLLM's real                    ``vllm_ascend.distributed.parallel_state`` (a module
 ``init_model_parallel_group`` over gloo)                holding ``_MC2``)
+omni ``hunyuan_fused_moe.py`` (whole file); vLLM        vLLM's MoE runner (``FusedMoE.forward`` / what the
+``forward_context`` (``set_forward_context``,           ``FusedMoE(...)`` factory returns): records the
+``DPMetadata``), GroupCoordinator dispatch/combine,     metadata, calls the real dispatch/combine; the CPU
+CPU communicator, all2all managers                      communicator's missing ``all_gatherv`` /
+                                                        ``reduce_scatterv`` (gloo); vllm-ascend's version
+                                                        for the context-parallel warning (``pretend_ascend``)
 =====================================================  =====================================================
 
 Worlds run: patched 0.18.0, 0.20.0, 0.22.0, 0.24.0rc1 and stock 0.22.0 (every phase below in one world process each), stock
@@ -62,15 +81,18 @@ UPSTREAM = "0.24.0"
 TF_TARGET = {"0.18.0": "vllm_omni.diffusion.models.hunyuan_image_3.hunyuan_image_3_transformer"}
 TF_DEFAULT = "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer"
 NON_MOE_ERROR = "Expert parallelism enabled for a non-MoE model"
+FORWARD_FOUND = {False: "hunyuan_fused_moe._set_forward_context_num_tokens",
+                 True: "hunyuan_fused_moe.HunyuanFusedMoEDefault.forward"}
 
 _EP = dict(ep=True, moe=True, equiv=True)
 # issue 10's worlds (8 ranks each), EP on and is_moe; "sp" is the Ulysses degree, "ring" the ring degree.
 WORLDS = [
-    dict(label="tp4-u2", tp=4, sp=2, model=True, reinit=True, **_EP),
-    dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, **_EP),
+    # pretend_ascend: the init sees vllm-ascend 0.18.0 installed, context parallel off (the patch must warn)
+    dict(label="tp4-u2", tp=4, sp=2, model=True, reinit=True, pretend_ascend="0.18.0", **_EP),
+    dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, forward=True, **_EP),
     dict(label="tp2-r2-cfg2", tp=2, ring=2, cfg=2, **_EP),
     dict(label="tp8", tp=8, **_EP),
-    dict(label="tp2-u2-dp2", tp=2, sp=2, dp=2, **_EP),
+    dict(label="tp2-u2-dp2", tp=2, sp=2, dp=2, forward=True, **_EP),
     dict(label="tp2-pp2-cfg2", tp=2, pp=2, cfg=2, **_EP),
     dict(label="hsdp4x2", fs=4, replicate=2, **_EP),  # standalone HSDP: omni lays fs x replicate out as dp
 ]
@@ -78,8 +100,11 @@ WORLDS = [
 UNTOUCHED = [
     dict(label="ep-off", tp=4, sp=2, ep=False, moe=True, model=True, equiv=True),
     dict(label="non-moe-ep", tp=4, sp=2, ep=True, moe=False, equiv=True),
+    # vLLM DP (omni's own dp group) > 1 but no mapping: the MoE forward must stay stock
+    dict(label="ep-off-dp2", tp=2, sp=2, dp=2, ep=False, moe=True, equiv=True, forward=True),
 ]
 LABELS = [w["label"] for w in WORLDS]
+FORWARD_LABELS = [w["label"] for w in WORLDS if w.get("forward")]
 # The patch cannot build vLLM's EP group (after PCP/TP/DP were built): everything must be stock again.
 FALLBACK = dict(label="fallback-tp4-u2", tp=4, sp=2, model=True, fail_group="ep", **_EP)
 
@@ -187,7 +212,7 @@ def test_ep_off_and_non_moe_exactly_stock(patched, stock):
     """EP off and non-MoE + EP: the patched release builds what stock 0.22.0 builds (its parallel_state.py
     differs from 0.18.0's and 0.20.0's only by an NPU-only PP assertion), fails the same way, same teardown."""
     _, results = patched
-    for label in ("ep-off", "non-moe-ep"):
+    for label in ("ep-off", "non-moe-ep", "ep-off-dp2"):
         assert diff_ranks(_equiv(results, label), _equiv(stock, label)) == [], label
     for eq in _equiv(results, "non-moe-ep"):
         assert NON_MOE_ERROR in eq["init_error"]
@@ -212,9 +237,11 @@ def test_patch_applies_to_every_target(patched):
         assert st["state"] == "applied", st
         assert st["applied_targets"] == [
             "vllm_omni.diffusion.distributed.parallel_state", "vllm_omni.diffusion.worker.diffusion_worker",
-            TF_TARGET.get(version, TF_DEFAULT), "vllm_omni.platforms.npu.models.hunyuan_fused_moe"]
+            TF_TARGET.get(version, TF_DEFAULT), "vllm_omni.platforms.npu.models.hunyuan_fused_moe",
+            TF_TARGET.get(version, TF_DEFAULT).rsplit(".", 1)[0] + ".hunyuan_fused_moe"]
         for found in ("parallel_state.initialize_model_parallel", "diffusion_worker.initialize_model_parallel",
-                      "_init_mc2_group_for_diffusion", "HunyuanFusedMoE as called by HunYuanSparseMoeBlock"):
+                      "_init_mc2_group_for_diffusion", "HunyuanFusedMoE as called by HunYuanSparseMoeBlock",
+                      FORWARD_FOUND[version == "0.18.0"]):
             assert found in st["reason"], st["reason"]
         assert r["worker_binding_layers"] == [PATCH_ID]  # the by-name binding is wrapped, once
 
@@ -338,3 +365,220 @@ def test_stock_shows_the_seed_failure(stock):
     after = tp4[0]["after_destroy"]
     assert after["_DP"] is not None and not after["_DP"]["live"]
 
+
+
+# -- MoE forward: the forward context's DP metadata (0.24.0's pre-hook, #4893) --------------------------
+def _forward(results, label):
+    return [rec["forward"] for rec in _phase(results, label)]
+
+
+@pytest.mark.parametrize("label", FORWARD_LABELS)
+def test_moe_forward_dp_metadata_equals_upstream(patched, upstream, label):
+    """In the forward context omni's HunyuanImage3 pipeline opens (``set_forward_context(None, vllm_config)``:
+    no metadata), the real ``HunyuanFusedMoEDefault`` hands vLLM's MoE runner, on every rank, the same
+    ``DPMetadata`` as stock 0.24.0's real pre-hook: the token counts of the CFG·DP ranks (int64, in DP-rank
+    order), ``local_sizes``, ``cu_tokens_across_sp``, ``sp_local_sizes``; the second MoE layer of a forward
+    reuses it (no second gather). vLLM 0.18's DPMetadata has one more field, ``max_tokens_across_dp_cpu``,
+    which must be the max (what its own ``DPMetadata.make`` computes). Without the layer (vLLM's runner
+    straight away), vLLM's real all2all manager asserts ``dp_metadata is not None`` in both."""
+    version, results = patched
+    mine, theirs = _forward(results, label), _forward(upstream, label)
+    extra = {}
+    for rank, (a, b) in enumerate(zip(mine, theirs)):
+        assert a["num_tokens"] == b["num_tokens"]
+        assert a["context_dp_metadata"] is None and b["context_dp_metadata"] is None
+        for got in (a, b):
+            assert got["without_layer"]["error"].startswith("AssertionError"), got["without_layer"]
+            assert got["second_layer_reuses_metadata"] is True
+        md = dict(a["dp_metadata"])
+        extra[rank] = md.pop("max_tokens_across_dp_cpu", None)
+        assert diff_ranks([md], [b["dp_metadata"]]) == [], rank
+        counts = b["dp_metadata"]["num_tokens_across_dp_cpu"]["values"]
+        assert len(counts) == 2 and counts[0] != counts[1]  # a real gather over CFG·DP, not a copy
+    if version == "0.18.0":
+        assert all(m == {"dtype": "torch.int64", "shape": [], "values": max(
+            theirs[r]["dp_metadata"]["num_tokens_across_dp_cpu"]["values"])} for r, m in extra.items())
+    else:
+        assert set(extra.values()) == {None}
+
+
+@pytest.mark.parametrize("label", FORWARD_LABELS)
+def test_moe_forward_dispatch_equals_upstream(patched, upstream, label):
+    """vLLM's real dispatch/combine with that metadata. vLLM 0.20.2/0.22.1/0.24.0 (AllGather-ReduceScatter
+    manager): the same collectives over the same DP ranks with the same sizes, the same gathered hidden
+    states and router logits, the same combined output, on every rank, as 0.24.0. vLLM 0.18.1 on CPU uses its
+    Naive manager, which broadcasts DP slots from the first EP ranks (it assumes EP == DP): its rows are not
+    comparable with 0.24.0's; it must get past the metadata asserts and give 0.24.0's shapes."""
+    version, results = patched
+    for rank, (a, b) in enumerate(zip(_forward(results, label), _forward(upstream, label))):
+        for key in ("dispatch", "dispatch_second_layer"):
+            mine, theirs = a[key], b[key]
+            assert "error" not in mine and "error" not in theirs, (rank, mine.get("error"), theirs.get("error"))
+            if version == "0.18.0":
+                for k in ("dispatched_hidden", "dispatched_logits", "combined"):
+                    assert mine[k]["shape"] == theirs[k]["shape"], (rank, k)
+            else:
+                assert diff_ranks([mine], [theirs]) == [], (rank, key)
+        assert b["dispatch"]["combined"]["shape"] == [a["num_tokens"], 4]
+
+
+def test_moe_forward_stock_has_no_dp_metadata(stock, upstream):
+    """Stock 0.22.0: the MoE layer finds no metadata (0.24.0 finds it), and with omni's own coordinator as
+    vLLM's _EP there is no dispatch at all."""
+    for label in FORWARD_LABELS:
+        for a, b in zip(_forward(stock, label), _forward(upstream, label)):
+            assert a["dp_metadata"] is None and b["dp_metadata"] is not None
+            assert "dispatch_router_logits" in a["dispatch"]["error"]
+
+
+def test_moe_forward_untouched_without_mapping(patched, stock):
+    """EP off with vLLM DP 2 (omni's own dp group): no mapping, so the layer leaves the context alone, exactly
+    as stock 0.22.0 (the same metadata -- none -- and the same outcome of vLLM's dispatch)."""
+    _, results = patched
+    for a, b in zip(_forward(results, "ep-off-dp2"), _forward(stock, "ep-off-dp2")):
+        assert a["dp_metadata"] is None
+        assert diff_ranks([a], [b]) == []
+
+
+@pytest.mark.parametrize("label", FORWARD_LABELS)
+def test_moe_forward_gather_failure_is_contained(patched, label):
+    """The token-count gather raising on every rank (injected): the layer still runs, without metadata, as
+    stock does -- vLLM's own assert is what the runner then meets; nothing of the patch's escapes."""
+    _, results = patched
+    for f in _forward(results, label):
+        assert f["gather_fails"]["dp_metadata"] is None, f["gather_fails"]
+        assert f["gather_fails"]["dispatch_error"].startswith("AssertionError")
+    for r in results:  # and the status says so
+        assert "MoE forward without DP metadata (stock): setting it failed (RuntimeError: injected gather " \
+            "failure)" in r["patch"]["reason"]
+
+
+def test_warns_about_ascend_context_parallel(patched):
+    """Mapping SP 2 to PCP with vllm-ascend 0.18.0 reported and VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL unset: the
+    patch's status carries the note (the WARNING is logged once with it)."""
+    _, results = patched
+    for rec in _phase(results, "tp4-u2"):
+        assert "vllm-ascend 0.18.0 gathers MoE tokens over PCP only with VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1" \
+            in rec["reason_after_init"]
+
+
+# -- unit: the vllm-ascend context-parallel warning, the DPMetadata builder -----------------------------
+# vllm-ascend cannot run here (torch_npu): its version and ``vllm_ascend.utils`` are stood in with mocker.
+CP_ENV = "VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL"
+
+
+@pytest.fixture
+def ascend(mocker, monkeypatch):
+    """Call the patch's check as the mapping does, with vllm-ascend ``version`` installed; returns whether it
+    warned (log at WARNING + status note)."""
+    import sys
+
+    from omni_patches import engine, log, versions
+    from omni_patches.patches import moe_ep_parallel_mapping as mod
+
+    monkeypatch.delenv(CP_ENV, raising=False)
+    monkeypatch.delitem(sys.modules, "vllm_ascend.utils", raising=False)
+
+    def run(version, utils=None):
+        mocker.patch.object(versions, "installed", return_value=("vllm-ascend", version) if version else (None, None))
+        if utils is not None:
+            monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
+        once, note = mocker.spy(log, "once"), mocker.spy(engine, "note")
+        mod._warn_ascend_context_parallel_off()
+        warned = [c for c in once.call_args_list if c.args[1] == (PATCH_ID, "ascend-cp")]
+        assert len(warned) == note.call_count <= 1
+        if warned:
+            assert warned[0].args[0] == 30 and CP_ENV in warned[0].args[3]
+            assert note.call_args.args[0] == PATCH_ID and CP_ENV in note.call_args.args[1]
+            assert note.call_args.kwargs["key"] == "ascend-context-parallel"
+        mocker.stopall()
+        return bool(warned)
+
+    return run
+
+
+@pytest.mark.parametrize("version", ["0.13.0", "0.18.0", "0.19.1rc1", "0.20.2rc1", "0.12.0rc1"])
+def test_ascend_warning_when_context_parallel_off(ascend, version):
+    assert ascend(version) is True
+
+
+@pytest.mark.parametrize("version", ["0.21.0rc1", "0.22.1rc1", "0.24.0rc1", None])
+def test_no_ascend_warning_where_pcp_is_always_gathered(ascend, version):
+    assert ascend(version) is False
+
+
+def test_no_ascend_warning_with_the_switch_on(ascend, monkeypatch):
+    monkeypatch.setenv(CP_ENV, "1")
+    assert ascend("0.18.0") is False
+    monkeypatch.setenv(CP_ENV, "0")
+    assert ascend("0.18.0") is True
+
+
+def test_ascend_warning_asks_vllm_ascend_first(ascend, monkeypatch):
+    """vllm-ascend's own reader decides when it answers (0.20: the Ascend config, additional_config included);
+    when it cannot answer yet, the env variable does."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv(CP_ENV, "0")
+    assert ascend("0.20.2rc1", SimpleNamespace(prefill_context_parallel_enable=lambda: True)) is False
+
+    def not_initialised():
+        raise RuntimeError("Ascend config is not initialized. Please call init_ascend_config first.")
+
+    assert ascend("0.20.2rc1", SimpleNamespace(prefill_context_parallel_enable=not_initialised)) is True
+    monkeypatch.setenv(CP_ENV, "1")
+    assert ascend("0.20.2rc1", SimpleNamespace(prefill_context_parallel_enable=not_initialised)) is False
+
+
+def test_ascend_warning_for_source_builds_follows_the_code(ascend):
+    """A source build's version says nothing: warn only where ``prefill_context_parallel_enable`` (the switch's
+    reader, gone from 0.21.0rc1 on) exists and says off."""
+    from types import SimpleNamespace
+
+    src = "0.19.1rc2.dev1637+g182b75ea8"
+    assert ascend(src) is False
+    assert ascend(src, SimpleNamespace()) is False
+    assert ascend(src, SimpleNamespace(prefill_context_parallel_enable=lambda: False)) is True
+
+
+def test_ascend_warning_never_raises(mocker):
+    from omni_patches import versions
+    from omni_patches.patches import moe_ep_parallel_mapping as mod
+
+    mocker.patch.object(versions, "installed", side_effect=RuntimeError("metadata broken"))
+    mod._warn_ascend_context_parallel_off()
+
+
+def test_dp_metadata_builder_follows_the_field_set():
+    """Built from the dataclass fields: vLLM 0.18's two (the real classes are exercised in the worlds), later
+    releases' one; an unknown required field means no builder (the layer then runs stock)."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    import torch
+
+    from omni_patches.patches.moe_ep_parallel_mapping import _dp_metadata_factory
+
+    @dataclass
+    class Later:
+        num_tokens_across_dp_cpu: torch.Tensor
+        local_sizes: list | None = None
+
+    @dataclass
+    class Old:
+        max_tokens_across_dp_cpu: torch.Tensor
+        num_tokens_across_dp_cpu: torch.Tensor
+        local_sizes: list | None = None
+
+    @dataclass
+    class Unknown:
+        num_tokens_across_dp_cpu: torch.Tensor
+        ranks_per_node: int
+
+    md = _dp_metadata_factory(SimpleNamespace(DPMetadata=Later))([3, 5])
+    assert md.num_tokens_across_dp_cpu.tolist() == [3, 5] and md.num_tokens_across_dp_cpu.dtype == torch.int64
+    md = _dp_metadata_factory(SimpleNamespace(DPMetadata=Old))([7, 2])
+    assert md.max_tokens_across_dp_cpu.item() == 7 and md.num_tokens_across_dp_cpu.tolist() == [7, 2]
+    assert _dp_metadata_factory(SimpleNamespace(DPMetadata=Unknown)) is None
+    assert _dp_metadata_factory(SimpleNamespace(DPMetadata=object)) is None
+    assert _dp_metadata_factory(SimpleNamespace()) is None

@@ -6,13 +6,17 @@ Fixes:       with expert parallelism on a diffusion MoE model (HunyuanImage-3), 
              8-rank EP group and ``RuntimeError: shape '[8, 16]' is invalid for input of size 64``
              (TP2+SP2+CFG2: EP=2 against 8). vLLM's ``_TP`` and ``_EP`` are omni coordinators without
              vLLM's device communicator (no ``reduce_scatter``, ``all_gatherv``, ``device_communicator``),
-             and after ``destroy_model_parallel()`` vLLM's ``_DP`` still points at a destroyed group.
+             and after ``destroy_model_parallel()`` vLLM's ``_DP`` still points at a destroyed group. Once the
+             groups are right, off Ascend with CFG·DP > 1 vLLM's all2all MoE dispatch asserts
+             ``dp_metadata is not None`` at the first MoE forward (omni's forward context has none).
 Upstream:    https://github.com/vllm-project/vllm-omni/pull/4344 ("[NPU] Fix HunyuanImage3 MoE EP+SP parallel
              mapping": SP -> PCP, CFG·DP -> DP, ``get_expert_parallel_group_ranks``) and its follow-up
              https://github.com/vllm-project/vllm-omni/pull/4893 ("Fix HunyuanImage3 MoE groups for vLLM
-             0.24": vLLM-owned ``_PCP``/``_TP``/``_DP``/``_EP`` via ``init_vllm_model_parallel_group``), both
-             in vllm-omni 0.24.0. This patch builds what 0.24.0's ``initialize_model_parallel`` and worker
-             build, rank for rank (tests/test_moe_ep.py compares every rank against the real 0.24.0 files).
+             0.24": vLLM-owned ``_PCP``/``_TP``/``_DP``/``_EP`` via ``init_vllm_model_parallel_group``, and the
+             ``dp_metadata`` pre-hook of the non-NPU ``HunyuanFusedMoEDefault``), both in vllm-omni 0.24.0.
+             This patch builds what 0.24.0's ``initialize_model_parallel`` and worker build, rank for rank,
+             and sets the MoE forward's DP metadata as 0.24.0 does (tests/test_moe_ep.py compares every rank
+             against the real 0.24.0 files).
 Affected:    vllm-omni >=0.18.0,<0.24.0 (0.24.0rc1 included); fixed upstream in vllm-omni 0.24.0
 How:         only when ``enable_expert_parallel`` is passed AND omni's forward context holds a MoE diffusion
              config (``is_moe``), as upstream; otherwise every wrapper calls the original untouched (EP off:
@@ -42,11 +46,20 @@ How:         only when ``enable_expert_parallel`` is passed AND omni's forward c
              * NPU ``hunyuan_fused_moe._init_mc2_group_for_diffusion``: while the mapping is active,
                vllm-ascend's ``_MC2`` is built over the EP ranks (0.24.0: ``get_expert_parallel_group_ranks``)
                instead of dp·tp blocks.
+             * Non-NPU MoE forward (``hunyuan_fused_moe``, the ``HunyuanFusedMoEDefault`` path): vLLM's
+               all2all dispatch needs ``ForwardContext.dp_metadata`` when vLLM DP (= CFG·DP) > 1, but the
+               forward context omni's HunyuanImage3 pipeline opens (``set_forward_context(None, vllm_config)``)
+               has none (``assert dp_metadata is not None``). As 0.24.0's pre-hook does (#4893), at each MoE
+               forward, while the mapping is active and the context has no ``dp_metadata`` yet, every rank
+               all-gathers its token count (``hidden_states.shape[0]``) over vLLM's ``_DP`` (CPU group) and
+               sets ``DPMetadata`` from those counts (int64, in DP-rank order; vLLM 0.18 also takes their max).
+               Wrapped: ``_set_forward_context_num_tokens`` (0.20-0.24.0rc1; called right where 0.24.0 calls its
+               hook, with the same count) or ``HunyuanFusedMoEDefault.forward`` (0.18).
              Anything the patch cannot understand or build falls back to the stock call and stock groups.
-             Not backported: 0.24.0's forward-time pre-hook on the default (non-NPU) ``HunyuanFusedMoE`` that
-             fills ``ForwardContext.dp_metadata`` from the vLLM DP group (#4893). With CFG·DP > 1 off Ascend,
-             vLLM's naive MoE dispatch asserts ``dp_metadata is not None`` in the forward context omni's
-             HunyuanImage3 pipeline opens (as it did with this patch's earlier layout).
+             vllm-ascend < 0.21 (0.13-0.20 checked) gathers over PCP on the AllGather MoE path only with
+             ``VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1`` (0.20: or ``additional_config enable_context_parallel``);
+             mapping SP > 1 without it, the patch warns once and notes it in its status (tokens would reach
+             only the experts on ranks of their own PCP index).
              Ascend: correct only together with ``ascend-allgather-finalize-order`` (vllm-ascend
              ``prepare_finalize``): this mapping makes PCP > 1 and DP > 1 at once, and every vllm-ascend that
              omni 0.18-0.22 runs on reduce-scatters DP before PCP in the AllGather finalize, which then puts
@@ -60,6 +73,9 @@ PATCH_ID = "moe-ep-parallel-mapping"
 _PS = "vllm_omni.diffusion.distributed.parallel_state"
 _WORKER = "vllm_omni.diffusion.worker.diffusion_worker"
 _NPU = "vllm_omni.platforms.npu.models.hunyuan_fused_moe"
+# The non-NPU MoE layer module (0.18: hunyuan_image_3, later hunyuan_image3).
+_FUSED_MOE = ("vllm_omni.diffusion.models.hunyuan_image_3.hunyuan_fused_moe",
+              "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_fused_moe")
 _INIT_PARAMS = ("data_parallel_size", "cfg_parallel_size", "sequence_parallel_size", "ulysses_degree",
                 "ring_degree", "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
                 "backend")
@@ -200,9 +216,71 @@ def _remap(module, d):
         if stock[attr] is not None and stock[attr] is not built[attr]:
             _destroy(stock[attr], "omni " + attr)
     _STATE.mapping = _Mapping(vps, d["ranks"]["tp-sp-cfg-dp"], built)
+    if d["sp"] > 1:
+        _warn_ascend_context_parallel_off()
     _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), TP over tp (%d), PCP over sp (%d), "
          "DP over cfg-dp (%d)", built["_EP"].world_size, built["_TP"].world_size, built["_PCP"].world_size,
          built["_DP"].world_size)
+
+
+def _ascend_context_parallel_on(line_0_20):
+    """Whether vllm-ascend's AllGather MoE path gathers over PCP: its own answer when it can give one, else
+    its switch read as it reads it (the env variable; on 0.20 ``additional_config`` first)."""
+    import os
+
+    ask = getattr(sys.modules.get("vllm_ascend.utils"), "prefill_context_parallel_enable", None)
+    if ask is not None:
+        try:
+            return bool(ask())
+        except Exception:  # 0.20: the Ascend config is not initialised yet
+            pass
+    if line_0_20:
+        try:
+            import vllm.config as vc
+
+            getter = getattr(vc, "get_current_vllm_config_or_none", None) or vc.get_current_vllm_config
+            extra = getattr(getter(), "additional_config", None)
+            if isinstance(extra, dict) and "enable_context_parallel" in extra:
+                return bool(extra["enable_context_parallel"])
+        except Exception:
+            pass
+    try:
+        return bool(int(os.environ.get("VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL", "0")))
+    except ValueError:
+        return False
+
+
+def _warn_ascend_context_parallel_off():
+    """SP > 1 was mapped to vLLM PCP. vllm-ascend < 0.21 gathers over PCP in its AllGather MoE path only
+    with context parallel switched on; off, a token reaches only the experts on ranks of its PCP index."""
+    try:
+        from packaging.version import Version
+
+        from .. import engine, versions
+
+        _, text = versions.installed("vllm-ascend")
+        if text is None:
+            return
+        if versions.source_build(text):  # the version says nothing: the switch's reader does
+            if not hasattr(sys.modules.get("vllm_ascend.utils"), "prefill_context_parallel_enable"):
+                return
+            line_0_20 = False
+        elif Version(text) >= Version("0.21.0rc1"):
+            return
+        else:
+            line_0_20 = Version(text).release[:2] == (0, 20)
+        if _ascend_context_parallel_on(line_0_20):
+            return
+        switch = "VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1"
+        if line_0_20:
+            switch += " (or additional_config enable_context_parallel)"
+        msg = (f"vllm-ascend {text} gathers MoE tokens over PCP only with {switch}; SP > 1 is mapped to "
+               "PCP here, so without it each token reaches only the experts on ranks of its own PCP index "
+               "(incomplete MoE output, no error)")
+        _log(30, "ascend-cp", "%s", msg)
+        engine.note(PATCH_ID, msg, key="ascend-context-parallel")
+    except Exception:  # a warning must never break the mapping
+        pass
 
 
 def _make_init_wrapper(module, sig):
@@ -254,6 +332,97 @@ def _fused_moe(wrapped, instance, args, kwargs):
     """``HunyuanFusedMoE(..., pcp_size=1)`` from the MoE block: ``pcp_size=None`` while the mapping is active."""
     if kwargs.get("pcp_size", None) == 1 and _active() is not None:
         kwargs = dict(kwargs, pcp_size=None)
+    return wrapped(*args, **kwargs)
+
+
+def _dp_metadata_factory(fc):
+    """``counts -> DPMetadata`` for this vLLM's field set, or None when a required field is unknown."""
+    import dataclasses
+
+    cls = getattr(fc, "DPMetadata", None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    known = ("num_tokens_across_dp_cpu", "max_tokens_across_dp_cpu")  # vLLM 0.18 has both, later the first
+    names = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in known:
+            names.append(f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            return None
+    if "num_tokens_across_dp_cpu" not in names:
+        return None
+
+    def make(counts):
+        import torch
+
+        across = torch.tensor(counts, dtype=torch.int64)
+        values = {"num_tokens_across_dp_cpu": across, "max_tokens_across_dp_cpu": torch.max(across)}
+        return cls(**{n: values[n] for n in names})
+
+    return make
+
+
+def _fill_dp_metadata(num_tokens):
+    """0.24.0's forward-time DP metadata, while the mapping is active: token counts of the vLLM DP ranks."""
+    m = _active()
+    if m is None:
+        return
+    try:
+        import torch.distributed as dist
+        import vllm.forward_context as fc  # imported by vLLM's MoE layer already
+
+        if not fc.is_forward_context_available():
+            return
+        context = fc.get_forward_context()
+        if getattr(context, "dp_metadata", None) is not None:
+            return
+        dp = getattr(m.vps, "_DP", None)
+        if dp is None or getattr(dp, "world_size", 1) <= 1:
+            return
+        make = _dp_metadata_factory(fc)  # decided before the collective: every DP rank decides alike
+        if make is None:
+            _stock_dp_metadata("vllm.forward_context.DPMetadata has fields this patch does not know")
+            return
+        mine = int(num_tokens)
+        counts = [None] * dp.world_size
+        dist.all_gather_object(counts, mine, group=dp.cpu_group)
+        if any(c is None for c in counts):
+            _stock_dp_metadata(f"gathering the MoE token counts over vLLM DP gave {counts}")
+            return
+        context.dp_metadata = make(counts)
+    except Exception as exc:
+        _stock_dp_metadata(f"setting it failed ({type(exc).__name__}: {exc})", exc_info=True)
+
+
+def _stock_dp_metadata(why, **kw):
+    from .. import engine
+
+    msg = f"MoE forward without DP metadata (stock): {why}"
+    _log(40, "dp-metadata", "%s", msg, **kw)
+    engine.note(PATCH_ID, msg, key="dp-metadata")
+
+
+def _num_tokens(wrapped, instance, args, kwargs):
+    """``_set_forward_context_num_tokens(n)``: then the DP metadata for the same n, as 0.24.0's pre-hook."""
+    result = wrapped(*args, **kwargs)
+    if _active() is not None:
+        n = args[0] if args else kwargs.get("num_tokens")
+        if n is not None:
+            _fill_dp_metadata(n)
+    return result
+
+
+def _default_forward(wrapped, instance, args, kwargs):
+    """0.18's ``HunyuanFusedMoEDefault.forward(hidden_states, router_logits)``: DP metadata first."""
+    if _active() is not None:
+        hidden_states = kwargs.get("hidden_states")
+        if hidden_states is None and args:
+            hidden_states = args[0]
+        shape = getattr(hidden_states, "shape", None)
+        if shape:
+            _fill_dp_metadata(shape[0])
     return wrapped(*args, **kwargs)
 
 
@@ -313,6 +482,21 @@ def check(ctx):
                            label="_init_mc2_group_for_diffusion")
         ctx.resolve("vllm_init_model_parallel_group")
         ctx.describe("hunyuan_fused_moe._init_mc2_group_for_diffusion (dp·tp block layout, 0.18-0.23)")
+    elif ctx.target in _FUSED_MOE:
+        if ctx.has("_set_forward_context_dp_metadata"):
+            ctx.fixed_upstream(f"{ctx.target} has _set_forward_context_dp_metadata")
+        default = ctx.resolve("HunyuanFusedMoEDefault")
+        where = ctx.target.rsplit(".", 1)[-1]
+        if ctx.has("_set_forward_context_num_tokens"):
+            ctx.require_params(ctx.resolve("_set_forward_context_num_tokens"), "num_tokens",
+                               label="_set_forward_context_num_tokens")
+            ctx.describe(f"non-NPU {where}._set_forward_context_num_tokens (HunyuanFusedMoEDefault's "
+                         "per-forward call, 0.20-0.24.0rc1 layout)")
+        elif "forward" in getattr(default, "__dict__", {}):
+            ctx.require_params(default.forward, "hidden_states", label="HunyuanFusedMoEDefault.forward")
+            ctx.describe(f"non-NPU {where}.HunyuanFusedMoEDefault.forward (0.18 layout, no num_tokens call)")
+        else:
+            ctx.drift(f"{ctx.target}: neither _set_forward_context_num_tokens nor HunyuanFusedMoEDefault.forward")
     else:  # a HunyuanImage3 transformer module
         ctx.resolve("HunYuanSparseMoeBlock")
         ctx.resolve("HunyuanFusedMoE")
@@ -342,5 +526,10 @@ def apply(ctx):
     elif ctx.target == _NPU:
         sig = inspect.signature(ctx.resolve("_init_mc2_group_for_diffusion"))
         ctx.wrap("", "_init_mc2_group_for_diffusion", _make_mc2_wrapper(ctx.module, sig))
+    elif ctx.target in _FUSED_MOE:
+        if ctx.has("_set_forward_context_num_tokens"):
+            ctx.wrap("", "_set_forward_context_num_tokens", _num_tokens)
+        else:
+            ctx.wrap("HunyuanFusedMoEDefault", "forward", _default_forward)
     else:
         ctx.wrap("", "HunyuanFusedMoE", _fused_moe)

@@ -392,6 +392,8 @@ def _preload() -> None:
     import torch.distributed  # noqa: F401
     import vllm.config  # noqa: F401
     import vllm.distributed.parallel_state  # noqa: F401
+    import vllm.forward_context  # noqa: F401
+    import vllm.model_executor.layers.fused_moe  # noqa: F401  (the MoE forward check's layer base)
     import vllm.model_executor.layers.fused_moe.config  # noqa: F401
 
     import vllm_omni.diffusion.distributed.parallel_state  # noqa: F401

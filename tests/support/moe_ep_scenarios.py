@@ -11,7 +11,8 @@ get_pcp_group().world_size`` and the real ``FusedMoEParallelConfig.make``. The r
 here (diffusers, torchvision, ...). Likewise ``vllm_omni.platforms.npu.models.hunyuan_fused_moe`` holds the
 REAL ``_init_mc2_group_for_diffusion`` (source from the wheel) with the real vLLM
 ``init_model_parallel_group``; ``vllm_ascend.distributed.parallel_state`` is a fake module holding ``_MC2``
-(the real NPU file imports torch_npu/vllm_ascend).
+(the real NPU file imports torch_npu/vllm_ascend). The non-NPU ``...hunyuan_fused_moe`` module is the wheel's
+REAL file, imported as is (tests/support/ep_moe_forward.py drives it).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import ast
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import time
 import types
@@ -40,6 +42,11 @@ def transformer_module_name(omni_version: str) -> str:
     if omni_version.startswith("0.18."):
         return "vllm_omni.diffusion.models.hunyuan_image_3.hunyuan_image_3_transformer"
     return "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer"
+
+
+def fused_moe_module_name(omni_version: str) -> str:
+    """The non-NPU MoE layer module (``HunyuanFusedMoEDefault``): served as the REAL file of the wheel."""
+    return transformer_module_name(omni_version).rsplit(".", 1)[0] + ".hunyuan_fused_moe"
 
 
 def _real_source(path: Path, name: str) -> str:
@@ -143,13 +150,17 @@ class _ModelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         tf = transformer_module_name(omni_version)
         self.fill = {tf: _fill_transformer, NPU_MOD: _fill_npu,
                      "vllm_ascend.distributed.parallel_state": lambda m, root: m.__dict__.update(_MC2=None)}
+        fm = fused_moe_module_name(omni_version)
+        self.real = {fm: self.root / Path(*fm.split(".")).with_suffix(".py")}
         self.packages = set()
-        for name in self.fill:
+        for name in (*self.fill, *self.real):
             parts = name.split(".")
             self.packages.update(".".join(parts[:i]) for i in range(1, len(parts)))
         self.packages -= {"vllm_omni", "vllm_omni.diffusion", "vllm_omni.platforms"}
 
     def find_spec(self, name, path=None, target=None):
+        if name in self.real:  # the wheel's own file, run as is
+            return importlib.util.spec_from_file_location(name, str(self.real[name]))
         if name in self.fill:
             return importlib.machinery.ModuleSpec(name, self, origin=f"moe-ep-standin:{name}")
         if name in self.packages:
@@ -217,8 +228,9 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
     """Several worker-style inits in one world: per phase init -> facts (-> model checks) -> destroy ->
     after-destroy facts (-> re-init -> facts -> destroy). ``params``: omni_version, phases (list of dicts
     with tp/sp/ring/cfg/dp/pp/fs/replicate/ep/moe/num_experts, optional ``reinit``, ``model`` and ``equiv``:
-    per-rank facts for the equivalence test, see tests/support/ep_equivalence.py), worker_maps_moe_config
-    (the worker sets vLLM PCP/DP itself, as 0.24.0's does)."""
+    per-rank facts for the equivalence test, see tests/support/ep_equivalence.py; ``forward``: the MoE
+    forward check of tests/support/ep_moe_forward.py; ``pretend_ascend``: a vllm-ascend version reported
+    during the first init), worker_maps_moe_config (the worker sets vLLM PCP/DP itself, as 0.24.0's does)."""
     import omni_patches
     import vllm.distributed.parallel_state as vps
 
@@ -229,7 +241,7 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
 
     out: dict = {"phases": []}
     dw.MAP_MOE_VLLM_CONFIG = bool(params.get("worker_maps_moe_config", False))
-    if any(p.get("model") or p.get("equiv") for p in params["phases"]):
+    if any(p.get("model") or p.get("equiv") or p.get("forward") for p in params["phases"]):
         install_model_standins(params["omni_version"])
     names = ("_TP", "_PCP", "_DP", "_EP", "_PP")
     first = True
@@ -241,7 +253,7 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
         eq.CAPTURED.clear()
         t0 = time.perf_counter()
         try:
-            with _failing_vllm_group(phase.get("fail_group")):
+            with _failing_vllm_group(phase.get("fail_group")), _pretend_ascend(phase.get("pretend_ascend")):
                 worker.init_device(init_dist=first)
         except Exception as exc:
             first = False
@@ -263,6 +275,16 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
                 rec["model"] = _model_checks(params["omni_version"])
                 if phase.get("equiv"):
                     rec["equiv"].update(fused_moe=rec["model"]["fused_moe"], mc2=rec["model"]["mc2"])
+            if phase.get("forward"):
+                from tests.support.ep_moe_forward import forward_checks
+
+                # Token counts differ between CFG·DP blocks (cond/uncond prompts, other requests), not
+                # within one (TP peers replicate, SP shards are padded alike).
+                block = d["tp"] * d["sp"] * d["pp"]
+                rec["forward"] = forward_checks(params["omni_version"], 3 + 2 * (rank // block), rank)
+        if phase.get("pretend_ascend"):
+            st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
+            rec["reason_after_init"] = None if st is None else st.reason
         built = {n: getattr(vps, n, None) for n in names}
         ops.destroy_model_parallel()
         rec["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
@@ -283,6 +305,29 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
     out["worker_binding_layers"] = _layers(dw.__dict__["initialize_model_parallel"])
     ops.destroy_distributed_env()
     return out
+
+
+def _pretend_ascend(version):
+    """``omni_patches.versions.installed("vllm-ascend")`` answers ``version`` during the init (CPU worlds have
+    no vllm-ascend; the EP patch reads it to warn about vllm-ascend's context-parallel switch)."""
+    import os
+    from contextlib import ExitStack, nullcontext
+    from unittest import mock
+
+    from omni_patches import versions
+
+    if not version:
+        return nullcontext()
+    real = versions.installed
+
+    def installed(dist):
+        return ("vllm-ascend", version) if dist == "vllm-ascend" else real(dist)
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(versions, "installed", side_effect=installed))
+    stack.enter_context(mock.patch.dict(os.environ))
+    os.environ.pop("VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL", None)  # the switch is off
+    return stack
 
 
 def _failing_vllm_group(group_name):
