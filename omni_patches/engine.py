@@ -422,7 +422,7 @@ def is_active():
 def note(patch_id, text, key=None):
     """Attach a run-time note to a patch's status (e.g. the kernel a patch chose at first use).
 
-    Shown in ``status`` (reason and ``notes``) and in the process record. Cheap, never raises; a note with
+    Shown in the ``status`` reason and in the process record. Cheap, never raises; a note with
     the same ``key`` (default: the patch id) replaces the previous one.
     """
     try:
@@ -430,7 +430,12 @@ def note(patch_id, text, key=None):
             rt = _state.runtime.get(patch_id) if _state is not None else None
             if rt is None:
                 return False
+            if rt.notes.get(key or patch_id) == str(text):
+                return True
             rt.notes[key or patch_id] = str(text)
+        from . import proof
+
+        proof.refresh()  # the process record shows it too (a no-op until something applied; never raises)
         return True
     except Exception:  # pragma: no cover - a note must never break the caller
         return False

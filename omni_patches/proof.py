@@ -172,7 +172,7 @@ def _snapshot(state):
     """``{patch id: {"state", "reason", "targets"}}`` without the engine lock (a forked child may not get it)."""
     patches = {}
     for pid, rt in list(state.runtime.items()):
-        patches[pid] = {"state": rt.state, "reason": rt.reason, "targets": list(rt.applied_targets)}
+        patches[pid] = {"state": rt.state, "reason": rt.full_reason(), "targets": list(rt.applied_targets)}
     return patches
 
 

@@ -720,3 +720,21 @@ def test_needs_unknown_id_is_a_registry_error(shim):
     _on(shim, entry(needs=["fake-missing"]))
     st = shim.status()["fake-double"]
     assert st.state == "failed" and "unknown patch(es) ['fake-missing']" in st.reason
+
+
+def test_run_time_note_shows_in_status_and_the_process_record(shim, tmp_path):
+    import json
+    import os
+
+    shim.omni()
+    _on(shim, entry())
+    import fakeomni.loader  # noqa: F401
+
+    assert engine.note("fake-double", "kernel bf16: addmm_ (test)") is True
+    assert "kernel bf16: addmm_ (test)" in shim.status()["fake-double"].reason
+    from omni_patches import proof
+
+    with open(os.path.join(proof.state_dir(), f"{os.getpid()}.json")) as fh:
+        rec = json.load(fh)
+    assert "kernel bf16: addmm_ (test)" in rec["patches"]["fake-double"]["reason"]
+    assert engine.note("no-such-patch", "x") is False
