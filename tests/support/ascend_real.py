@@ -110,10 +110,6 @@ def extra_deps() -> Path:
     return target
 
 
-def _dist_info(dst: Path, version: str) -> None:
-    write_dist_info(dst, "vllm-ascend", version, "vllm_ascend")
-
-
 def sandbox(release: str, *, metadata_version: str | None = None) -> Path:
     """Directory for ``sys.path``: the release's ``vllm_ascend`` sources, its dist-info, the bootstrap."""
     meta = metadata_version or release
@@ -127,7 +123,7 @@ def sandbox(release: str, *, metadata_version: str | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(src, tmp / "vllm_ascend", ignore=shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom"))
             (tmp / "vllm_ascend" / "__init__.py").write_text(_BOOT.format(real_init=str(src / "__init__.py")))
-            _dist_info(tmp, meta)
+            write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
             (tmp / ".complete").touch()
             tmp.rename(dst)
     return dst

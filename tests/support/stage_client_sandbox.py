@@ -160,7 +160,8 @@ def _check_imports(src: str) -> None:
 
 def stage_client_dir(version: str, *, metadata_version: str | None = None) -> Path:
     """Directory to put first on ``sys.path`` to import the real stage client of vllm-omni ``version``."""
-    from .moe_sandboxes import _build, _dist_info
+    from .fakes import write_dist_info
+    from .moe_sandboxes import _build
     from .wheels import real_file
 
     meta = metadata_version or version
@@ -174,7 +175,7 @@ def stage_client_dir(version: str, *, metadata_version: str | None = None) -> Pa
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             (dst / rel).write_text(body)
         shutil.copy2(src, dst / CLIENT_RELPATH)
-        _dist_info(dst, "vllm-omni", meta, "vllm_omni")
+        write_dist_info(dst, "vllm-omni", meta, "vllm_omni")
 
     recipe = f"{version}|{meta}|{hashlib.sha256(text.encode()).hexdigest()}|{sorted(stubs.items())}"
     return _build(f"stage-client-{version}-as-{meta}", recipe, fill)
