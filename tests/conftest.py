@@ -36,6 +36,10 @@ DEFAULT_STATE_BEFORE = state_fingerprint(DEFAULT_STATE_DIR)
 SESSION_STATE_DIR = tempfile.mkdtemp(prefix="omni-patches-test-state-")
 os.environ["OMNI_PATCHES_STATE_DIR"] = SESSION_STATE_DIR
 
+# Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
+# to unless told otherwise, and rendezvous goes to MASTER_ADDR.
+os.environ.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
+
 
 def pytest_collection_modifyitems(session, config, items):
     """The state-isolation check runs last, after every test that could have leaked a record."""

@@ -335,7 +335,7 @@ import torch
 import vllm_omni.diffusion.lora.loader as L  # stock, captured before activation
 import omni_patches
 from omni_patches.patches import _lora_cpu_kernels as K
-from tests.support.omni_loader import expected_deltas, make_lora_state_dict
+from tests.support.omni_loader import expected_deltas, make_lora_state_dict, tiny_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 cfg = json.loads(os.environ["LORA_TEST_CFG"])
@@ -363,22 +363,6 @@ def use(objs):
 H, R = cfg["hidden"], cfg["rank"]
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.to_qkv = torch.nn.Linear(H, 3 * H)
-        self.to_out = torch.nn.Linear(H, H)
-        self.ffn_up = torch.nn.Linear(H, 2 * H, bias=False)
-
-
-class Model(torch.nn.Module):
-    stacked_params_mapping = [(".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v")]
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
-
-
 class Ops(TorchDispatchMode):
     """aten ops by name and the dtype of their first tensor argument, e.g. ``addmm_:torch.bfloat16``."""
 
@@ -397,7 +381,7 @@ res = {"paths": {}}
 for dtype_name in cfg["dtypes"]:
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    model = Model().to(dtype)
+    model = tiny_transformer(H).to(dtype)
     sd = make_lora_state_dict(model, rank=R, bias=True, seed=1, scale=0.3)
     ref = expected_deltas(sd, model)
     params = dict(model.named_parameters("transformer"))

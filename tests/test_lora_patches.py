@@ -30,7 +30,7 @@ omni_patches.activate()
 import vllm_omni.diffusion.lora.loader as L
 import vllm_omni.diffusion.distributed.utils as U
 from tests.support import fake_npu
-from tests.support.omni_loader import expected_deltas, make_lora_state_dict
+from tests.support.omni_loader import expected_deltas, make_lora_state_dict, tiny_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if cfg.get("npu"):
@@ -40,24 +40,8 @@ H, R = cfg.get("hidden", 32), cfg.get("rank", 4)
 dtype = getattr(torch, cfg.get("dtype", "float32"))
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.to_qkv = torch.nn.Linear(H, 3 * H)
-        self.to_out = torch.nn.Linear(H, H)
-        self.ffn_up = torch.nn.Linear(H, 2 * H, bias=False)
-
-
-class Model(torch.nn.Module):
-    stacked_params_mapping = [(".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v")]
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
-
-
 torch.manual_seed(0)
-model = Model().to(dtype)
+model = tiny_transformer(H).to(dtype)
 if cfg.get("npu_param"):
     model.blocks[1].to_out.to("npu:0")  # an accelerator-resident layer
 sd = make_lora_state_dict(model, rank=R, bias=True, seed=1)

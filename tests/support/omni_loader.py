@@ -280,6 +280,29 @@ def _shards(base_key: str, stacked: dict[str, list[str]]):
     return hits[0]
 
 
+def tiny_transformer(hidden: int):
+    """Two blocks with the LoRA targets of a diffusion transformer, at width ``hidden``: a stacked ``to_qkv``
+    (shards q/k/v, declared in ``stacked_params_mapping`` as models do), ``to_out`` with a bias, ``ffn_up``
+    without one."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_qkv = torch.nn.Linear(hidden, 3 * hidden)
+            self.to_out = torch.nn.Linear(hidden, hidden)
+            self.ffn_up = torch.nn.Linear(hidden, 2 * hidden, bias=False)
+
+    class Model(torch.nn.Module):
+        stacked_params_mapping = [(".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v")]
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+
+    return Model()
+
+
 def make_lora_state_dict(module, rank: int = 2, prefix: str = "transformer", *, bias: bool = False,
                          targets=None, dtype=None, seed: int = 0, scale: float = 0.1,
                          lora_a_suffix: str = "lora_A.weight", lora_b_suffix: str = "lora_B.weight",
