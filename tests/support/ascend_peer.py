@@ -93,17 +93,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def ut_deps() -> Path:
-    key = hashlib.sha256(" ".join(UT_DEPS).encode()).hexdigest()[:8]
-    target = wheels.CACHE / "deps" / f"ascend-ut-{key}-py{sys.version_info[0]}{sys.version_info[1]}"
-    with wheels._locked("deps-" + target.name):
-        if not (target / ".complete").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                   "--no-deps", "--target", str(target), *UT_DEPS], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"deps {target} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            (target / ".complete").touch()
-    return target
+    return wheels.deps_dir(f"ascend-ut-{hashlib.sha256(' '.join(UT_DEPS).encode()).hexdigest()[:8]}", UT_DEPS)
 
 
 def tree(release: str) -> Path:

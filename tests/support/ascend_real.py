@@ -69,7 +69,6 @@ EXTRA_DEPS = [
     "apache-tvm-ffi==0.1.15.post2",
     "llguidance==1.9.1",
 ]
-_PY = f"py{sys.version_info[0]}{sys.version_info[1]}"
 
 _BOOT = '''\
 """omni-patches test sandbox: CPU stand-ins for torch_npu / CANN (as vllm-ascend's tests/ut/conftest.py does),
@@ -98,16 +97,7 @@ def base_deps() -> Path:
 
 
 def extra_deps() -> Path:
-    target = wheels.CACHE / "deps" / f"ascend-real-{hashlib.sha256(' '.join(EXTRA_DEPS).encode()).hexdigest()[:8]}-{_PY}"
-    with wheels._locked("deps-" + target.name):
-        if not (target / ".complete").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                   "--no-deps", "--target", str(target), *EXTRA_DEPS], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"deps {target} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            (target / ".complete").touch()
-    return target
+    return wheels.deps_dir(f"ascend-real-{hashlib.sha256(' '.join(EXTRA_DEPS).encode()).hexdigest()[:8]}", EXTRA_DEPS)
 
 
 def sandbox(release: str, *, metadata_version: str | None = None) -> Path:

@@ -76,26 +76,10 @@ def ensure_deps(vllm_version: str = "0.22.1") -> Path:
     The worlds run with ``sys.executable`` (the test venv: torch, the project) plus this directory on
     PYTHONPATH, so nothing depends on what the base Python happens to have installed. Built once, cached.
     """
-    from tests.support.wheels import CACHE, _locked
+    from tests.support.wheels import deps_dir
 
     name, deps = _venv_for(vllm_version)
-    target = CACHE / "deps" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
-    with _locked("deps-" + target.name):
-        if not (target / ".complete").exists():
-            import shutil
-
-            shutil.rmtree(target, ignore_errors=True)
-            proc = subprocess.run(
-                [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(target),
-                 *deps], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"deps {target} build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-            chk = subprocess.run([sys.executable, "-c", "import torch, msgspec, zmq, transformers, urllib3"],
-                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(target)})
-            if chk.returncode != 0:
-                raise RuntimeError(f"{target} + this interpreter cannot import vLLM's deps:\n{chk.stderr[-2000:]}")
-            (target / ".complete").touch()
-    return target
+    return deps_dir(name, deps, no_deps=False, check="import torch, msgspec, zmq, transformers, urllib3")
 
 
 def world_paths(omni_version: str, vllm_version: str | None = None) -> tuple[Path, Path]:

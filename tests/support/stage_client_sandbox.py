@@ -26,8 +26,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -183,18 +181,9 @@ def stage_client_dir(version: str, *, metadata_version: str | None = None) -> Pa
 
 def zmq_dir() -> Path:
     """``pip install --target`` directory holding pyzmq for this interpreter (built once, cached)."""
-    from .wheels import CACHE, _locked
+    from .wheels import deps_dir
 
-    target = CACHE / "deps" / f"{PYZMQ.replace('==', '-')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    with _locked("deps-" + target.name):
-        if not (target / ".complete").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                   "--no-deps", "--target", str(target), PYZMQ], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"installing {PYZMQ} into {target} failed:\n{proc.stdout}\n{proc.stderr}")
-            (target / ".complete").touch()
-    return target
+    return deps_dir(PYZMQ.replace("==", "-"), [PYZMQ])
 
 
 def paths(version: str, **kw) -> list[str]:

@@ -36,6 +36,28 @@ def _locked(name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def deps_dir(name: str, requirements: list[str], *, no_deps: bool = True, check: str | None = None) -> Path:
+    """A ``pip install --target`` directory of ``requirements`` for *this* interpreter, built once and cached as
+    ``CACHE/deps/<name>-py<XY>``; ``check``: a statement that must then run with it on PYTHONPATH."""
+    target = CACHE / "deps" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
+    with _locked("deps-" + target.name):
+        if not (target / ".complete").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                   *(["--no-deps"] if no_deps else []), "--target", str(target), *requirements],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"installing {requirements} into {target} failed:\n{proc.stdout[-3000:]}\n"
+                                   f"{proc.stderr[-3000:]}")
+            if check:
+                chk = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(target)})
+                if chk.returncode != 0:
+                    raise RuntimeError(f"{target} + this interpreter fail `{check}`:\n{chk.stderr[-2000:]}")
+            (target / ".complete").touch()
+    return target
+
+
 def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
     """Return the path of the cached wheel (or sdist) of ``dist==version``, downloading it if needed."""
     key = f"{dist}-{version}{'-sdist' if sdist else ''}"
