@@ -34,7 +34,7 @@ import traceback
 import types
 from pathlib import Path
 
-from tests.support.worlds import free_port, gather
+from tests.support.worlds import free_port, gather, report_and_exit
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -351,12 +351,7 @@ def _rank_main(rank: int, job: dict, queue) -> None:
     except BaseException as exc:  # report, never hang the parent
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()[-4000:]
-    queue.put(json.loads(json.dumps(out, default=repr)))
-    queue.close()
-    queue.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: gloo groups left alive can stall it for seconds
+    report_and_exit(queue, out)
 
 
 _PRELOAD_ENV = "OMNI_EP_WORLD_PRELOAD"

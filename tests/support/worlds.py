@@ -2,8 +2,11 @@
 one result per rank without ever hanging on a rank that died or waits in a collective a peer left."""
 from __future__ import annotations
 
+import json
+import os
 import queue as _queue
 import socket
+import sys
 import time
 
 
@@ -40,3 +43,14 @@ def gather(procs, results_queue, timeout_s: float, *, t0: float, grace_after_err
     for item in results.values():
         item["world_wall_s"] = wall
     return [results[r] for r in range(len(procs))]
+
+
+def report_and_exit(results_queue, out: dict) -> None:
+    """A rank's last act: send ``out`` (JSON-safe) and leave without interpreter teardown, which gloo groups
+    left alive can stall for seconds."""
+    results_queue.put(json.loads(json.dumps(out, default=repr)))
+    results_queue.close()
+    results_queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
