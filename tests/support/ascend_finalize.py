@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -252,22 +251,16 @@ def sandbox_dir(version: str, *, metadata_version: str | None = None) -> Path:
     """Directory with the real ``prepare_finalize.py`` of ``version``; its dist-info says ``metadata_version``."""
     meta = metadata_version or version
     src = real_file(version)
-    key = hashlib.sha256(f"{version}|{meta}|{_INIT}".encode()).hexdigest()[:12]
-    dst = wheels.CACHE / "sandboxes" / f"ascend-finalize-{version}-as-{meta}-{key}"
-    with wheels._locked(f"sandbox-ascend-finalize-{version}-{meta}-{key}"):
-        if not (dst / ".complete").exists():
-            tmp = dst.with_name(dst.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / REL).parent.mkdir(parents=True)
-            shutil.copy2(src, tmp / REL)
-            (tmp / "vllm_ascend/__init__.py").write_text(_INIT)
-            (tmp / "vllm_ascend/ops/__init__.py").write_text("")
-            (tmp / "vllm_ascend/ops/fused_moe/__init__.py").write_text("")
-            write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
-            (tmp / ".complete").touch()
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp.rename(dst)
-    return dst
+
+    def fill(tmp: Path) -> None:
+        (tmp / REL).parent.mkdir(parents=True)
+        shutil.copy2(src, tmp / REL)
+        (tmp / "vllm_ascend/__init__.py").write_text(_INIT)
+        (tmp / "vllm_ascend/ops/__init__.py").write_text("")
+        (tmp / "vllm_ascend/ops/fused_moe/__init__.py").write_text("")
+        write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
+
+    return wheels.sandbox(f"ascend-finalize-{version}-as-{meta}", f"{version}|{meta}|{_INIT}", fill)
 
 
 # --------------------------------------------------------------------------------------------------

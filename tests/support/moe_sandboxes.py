@@ -15,7 +15,6 @@ contract child and in the subprocesses the tests start).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -40,21 +39,6 @@ for _name, _mod in _om._vllm_stub_modules("cuda").items():
 '''
 
 
-def _build(label: str, recipe: str, fill) -> Path:
-    key = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    dst = wheels.CACHE / "sandboxes" / f"{label}-{key}"
-    with wheels._locked(f"sandbox-{label}-{key}"):
-        if not (dst / ".complete").exists():
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp = dst.with_name(dst.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            fill(tmp)
-            (tmp / ".complete").touch()
-            tmp.rename(dst)
-    return dst
-
-
 def omni_manager_dir(version: str = "0.32.0rc1", *, metadata_version: str | None = None) -> Path:
     """Real ``vllm_omni.diffusion.lora.manager`` of ``version``; dist-info says ``metadata_version``."""
     meta = metadata_version or version
@@ -73,7 +57,7 @@ def omni_manager_dir(version: str = "0.32.0rc1", *, metadata_version: str | None
         (dst / "vllm_omni/__init__.py").write_text(_OMNI_INIT)
         write_dist_info(dst, "vllm-omni", meta, "vllm_omni")
 
-    return _build(f"omni-manager-{version}-as-{meta}", f"{version}|{meta}|{_OMNI_INIT}|{_OMNI_COPY}", fill)
+    return wheels.sandbox(f"omni-manager-{version}-as-{meta}", f"{version}|{meta}|{_OMNI_INIT}|{_OMNI_COPY}", fill)
 
 
 def run_python(code: str, *paths: str, env: dict | None = None, timeout: int = 300):

@@ -45,7 +45,6 @@ How the loader maps state-dict keys to parameters (identical 0.27.0rc1 .. 0.32.0
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -195,31 +194,22 @@ def _check_imports(loader_src: str, stubs: dict[str, str]) -> None:
 
 def loader_sandbox(version: str) -> Path:
     """Directory to put first on ``sys.path`` to import the real ``loader.py`` of vllm-omni ``version``."""
-    from .wheels import CACHE, _locked, real_file  # lazy: keeps pytest out of sandboxed subprocesses
+    from .wheels import real_file, sandbox  # lazy: keeps pytest out of sandboxed subprocesses
 
     real = real_file("vllm-omni", version, LOADER_RELPATH)
     loader_src = real.read_text()
     stubs = _render(version)
-    h = hashlib.sha256(loader_src.encode())
-    for k in sorted(stubs):
-        h.update(k.encode() + b"\0" + stubs[k].encode() + b"\0")
-    dest = CACHE / "sandboxes" / f"omni-loader-{version}-{h.hexdigest()[:12]}"
-    with _locked(dest.name):
-        if (dest / ".complete").exists():
-            return dest
+
+    def fill(tmp: Path) -> None:
         _check_imports(loader_src, stubs)
-        tmp = dest.with_name(dest.name + ".part")
-        shutil.rmtree(tmp, ignore_errors=True)
         for rel, src in stubs.items():
-            p = tmp / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(src)
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(src)
         shutil.copyfile(real, tmp / LOADER_RELPATH)
         write_dist_info(tmp, "vllm-omni", version, "vllm_omni")
-        (tmp / ".complete").touch()
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
-    return dest
+
+    recipe = "\0".join([loader_src, *(f"{k}\0{stubs[k]}" for k in sorted(stubs))])
+    return sandbox(f"omni-loader-{version}", recipe, fill)
 
 
 def sandbox_env(version: str, *, local_device: str | None = None, fake_npu_broken: bool = False,

@@ -159,8 +159,7 @@ def _check_imports(src: str) -> None:
 def stage_client_dir(version: str, *, metadata_version: str | None = None) -> Path:
     """Directory to put first on ``sys.path`` to import the real stage client of vllm-omni ``version``."""
     from .fakes import write_dist_info
-    from .moe_sandboxes import _build
-    from .wheels import real_file
+    from .wheels import real_file, sandbox
 
     meta = metadata_version or version
     src = real_file("vllm-omni", version, CLIENT_RELPATH)
@@ -176,7 +175,7 @@ def stage_client_dir(version: str, *, metadata_version: str | None = None) -> Pa
         write_dist_info(dst, "vllm-omni", meta, "vllm_omni")
 
     recipe = f"{version}|{meta}|{hashlib.sha256(text.encode()).hexdigest()}|{sorted(stubs.items())}"
-    return _build(f"stage-client-{version}-as-{meta}", recipe, fill)
+    return sandbox(f"stage-client-{version}-as-{meta}", recipe, fill)
 
 
 def zmq_dir() -> Path:

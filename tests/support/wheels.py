@@ -36,6 +36,24 @@ def _locked(name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def sandbox(label: str, recipe: str, fill) -> Path:
+    """``CACHE/sandboxes/<label>-<sha256(recipe)[:12]>``, filled once by ``fill(tmp_dir)`` and renamed into place:
+    a build that failed or was interrupted is never taken for a finished one."""
+    import hashlib
+
+    dst = CACHE / "sandboxes" / f"{label}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    with _locked(f"sandbox-{dst.name}"):
+        if not (dst / ".complete").exists():
+            tmp = dst.with_name(dst.name + ".part")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            fill(tmp)
+            (tmp / ".complete").touch()
+            shutil.rmtree(dst, ignore_errors=True)
+            tmp.rename(dst)
+    return dst
+
+
 def deps_dir(name: str, requirements: list[str], *, no_deps: bool = True, check: str | None = None) -> Path:
     """A ``pip install --target`` directory of ``requirements`` for *this* interpreter, built once and cached as
     ``CACHE/deps/<name>-py<XY>``; ``check``: a statement that must then run with it on PYTHONPATH."""
