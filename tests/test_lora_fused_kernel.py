@@ -320,7 +320,10 @@ def test_no_weight_sized_temporary(dtype):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     slack = 256 * 1024  # page granularity and small bookkeeping allocations
-    assert res["stock"] >= res["weight"] - slack, res  # stock's B @ A: a weight-sized temporary
+    # stock's B @ A: a weight-sized temporary. RSS can also drop by a few hundred KiB while it runs (pages the
+    # allocator or the kernel release), so the lower bound allows 1/8 of the weight -- still far above the bound.
+    assert res["stock"] >= res["weight"] * 7 // 8, res
+    assert res["stock"] > res["bound"] + slack, res
     assert res["fp32"] <= res["bound"] + slack, res  # one fp32 row block + fp32 A and B (rank-sized)
     assert res["bound"] < res["weight"], res
     assert res[res["auto"]] <= res["bound"] + slack, res  # what a user gets (emulated addmm_ would not pass)
