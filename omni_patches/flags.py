@@ -18,6 +18,16 @@ _ON = frozenset(("1", "true", "yes", "on"))
 _OFF = frozenset(("", "0", "false", "no", "off"))
 
 
+SHOWN = 200  # characters of a value quoted in a message: a 100 KB variable must not flood every log line
+
+
+def shown(value, limit=SHOWN):
+    """``repr(value)``, cut to ``limit`` characters with the full length said: what messages quote."""
+    if value is None or len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def parse(value):
     """'1'/'true'/'yes'/'on' -> True, unset/'0'/'false'/'no'/'off' -> False, anything else -> None."""
     if value is None:
@@ -28,6 +38,11 @@ def parse(value):
     if v in _OFF:
         return False
     return None
+
+
+def master_problem(raw):
+    """The message for an invalid ``OMNI_PATCHES`` value (the .pth line's warning, status, strict mode)."""
+    return f"{MASTER}={shown(raw)} is not 1/true/yes/on or 0/false/no/off: omni-patches stays off"
 
 
 def env_name(patch_id):
@@ -51,7 +66,7 @@ def patch_switch(patch_id, default, environ=os.environ):
         return bool(default), ("on by default" if default else f"off by default; set {name}=1 to enable")
     value = parse(raw)
     if value is None:
-        return False, f"invalid value {raw!r} for {name} (use 1/0, true/false, yes/no, on/off); treated as off"
+        return False, f"invalid value {shown(raw)} for {name} (use 1/0, true/false, yes/no, on/off); treated as off"
     return value, f"{name}={raw}"
 
 

@@ -12,23 +12,23 @@ from .records import ABSENT, APPLIED, DISABLED, FAILED, PENDING, VERSION
 
 def check_spec(spec):
     """Problems ``registry`` cannot see without ``packaging``: bad specifiers and versions. '' when fine."""
-    problems = []
+    problems = []  # (keys, text): each problem names the file that set its key (an overlay, not the shipped file)
     for key in ("requires", "fixed_in"):
         for dist, text in getattr(spec, key).items():
             try:
                 SpecifierSet(text) if key == "requires" else Version(text)
             except (InvalidSpecifier, InvalidVersion) as exc:
-                problems.append(f"key {key!r}: {dist}: {exc}")
+                problems.append(((key,), f"key {key!r}: {dist}: {exc}"))
     try:
         found = importlib.util.find_spec(spec.module) is not None
     except (ImportError, ValueError):
         found = False
     if not found:
-        problems.append(f"key 'module': cannot find module {spec.module!r}")
+        problems.append((("module",), f"key 'module': cannot find module {spec.module!r}"))
     unknown = set(spec.fixed_in) - set(spec.requires)
     if unknown:
-        problems.append(f"key 'fixed_in' names {sorted(unknown)} which 'requires' does not")
-    return "; ".join(f"{spec.source}: patch {spec.id!r}: {p}" for p in problems)
+        problems.append((("fixed_in", "requires"), f"key 'fixed_in' names {sorted(unknown)} which 'requires' does not"))
+    return "; ".join(f"{spec.where(*keys)}: patch {spec.id!r}: {p}" for keys, p in problems)
 
 
 def in_range(specifier, version):
@@ -54,11 +54,18 @@ class Decision:
     """What the gate decided. ``by_features``: "dist X is a source build" texts (the version was not used);
     ``notes``: other facts worth showing (an assumed version)."""
 
-    __slots__ = ("state", "reason", "installed", "enabled", "by_features", "notes")
+    __slots__ = ("state", "reason", "installed", "enabled", "by_features", "notes", "assumed")
 
-    def __init__(self, state, reason, installed, enabled, by_features=(), notes=()):
+    def __init__(self, state, reason, installed, enabled, by_features=(), notes=(), assumed=None):
+        # installed: the versions the gate used (an assumed one in place of the installed one);
+        # assumed: {dist: version really installed} for each dist whose version was assumed.
         self.state, self.reason, self.installed, self.enabled = state, reason, installed, enabled
         self.by_features, self.notes = list(by_features), list(notes)
+        self.assumed = dict(assumed or {})
+
+    def really_installed(self):
+        """The installed versions, assumed ones replaced by what is really installed."""
+        return {d: self.assumed.get(d, v) for d, v in self.installed.items()}
 
     def explain(self, reason=None, found=()):
         """``reason`` (default the gate's) with the source-build verdict and the notes: what status shows."""
@@ -92,19 +99,20 @@ def decide(spec, *, master=None, environ=os.environ, installed=None):
     feature checks decide when the target is imported (drifted / fixed upstream / applied).
     """
     supplied = installed
-    installed, notes = {}, []
+    installed, notes, really = {}, [], {}
     assumed, _ = assumed_versions(environ)
     for dist in spec.requires:
         have = supplied.get(dist) if supplied is not None else versions.installed(dist)[1]
         want = assumed.get(re.sub(r"[-_.]+", "-", dist).lower())
         if want is not None and have is not None and want != have:
             notes.append(f"{dist} {want} assumed ({ASSUME}; installed {have})")
+            really[dist] = have
             have = want
         installed[dist] = have
     enabled, why = flags.patch_switch(spec.id, spec.default, environ)
 
     def out(state, reason, by_features=()):
-        return Decision(state, reason, installed, enabled, by_features, notes)
+        return Decision(state, reason, installed, enabled, by_features, notes, really)
 
     if spec.error:
         return out(FAILED, spec.error)

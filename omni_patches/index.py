@@ -27,6 +27,47 @@ class IndexLookupError(Exception):
     """The index could not be asked, or has no such file."""
 
 
+class FetchTimeout(IndexLookupError):
+    """The fetch did not finish within its own time limit (an index that accepts and never answers)."""
+
+
+class Deadline:
+    """One wall-clock budget for a whole fetch (every request and read in it), whatever the socket does."""
+
+    def __init__(self, seconds, what="the fetch"):
+        import time
+
+        self.seconds, self.what = seconds, what
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def remaining(self, cap=None):
+        """Seconds left (at most ``cap``); FetchTimeout once none are."""
+        import time
+
+        if self.end is None:
+            return cap
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise self.expired()
+        return left if cap is None else min(left, cap)
+
+    def expired(self):
+        return FetchTimeout(f"{self.what} did not finish within {self.seconds:g} s")
+
+
+def _read_all(resp, deadline, sink):
+    """Copy ``resp`` into ``sink(chunk)`` one socket read at a time, checking ``deadline`` between reads: a
+    server that trickles bytes cannot stretch one ``read(n)`` past it."""
+    sock = getattr(getattr(getattr(resp, "fp", None), "raw", None), "_sock", None)
+    while True:
+        if deadline is not None and sock is not None:
+            sock.settimeout(deadline.remaining(60))
+        chunk = resp.read1(1 << 20) if hasattr(resp, "read1") else resp.read(1 << 20)
+        if not chunk:
+            return
+        sink(chunk)
+
+
 def normalize(name):
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -79,16 +120,23 @@ def _same_version(a, b):
         return a == b
 
 
-def files(project, index=None, timeout=60):
-    """The index's file entries (PEP 691 dicts: filename, url, hashes, ...) of ``project``."""
+def files(project, index=None, timeout=60, deadline=None):
+    """The index's file entries (PEP 691 dicts: filename, url, hashes, ...) of ``project``; ``deadline``
+    (:class:`Deadline`) bounds the whole request."""
     base = index or index_url()
     url = urllib.parse.urljoin(base, normalize(project) + "/")
     req = urllib.request.Request(url, headers={"Accept": ACCEPT})
+    chunks = []
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=deadline.remaining(timeout) if deadline else timeout) as resp:
             ctype = resp.headers.get("Content-Type", "")
-            body = resp.read()
+            _read_all(resp, deadline, chunks.append)
+        body = b"".join(chunks)
+    except FetchTimeout:
+        raise
     except OSError as exc:
+        if deadline is not None and _timed_out(exc, deadline):
+            raise deadline.expired() from None
         raise IndexLookupError(f"cannot read {url}: {exc}") from None
     if ACCEPT not in ctype:
         raise IndexLookupError(f"{url} does not speak PEP 691 JSON (Content-Type {ctype!r})")
@@ -102,6 +150,42 @@ def files(project, index=None, timeout=60):
         f["url"] = urllib.parse.urljoin(url, f.get("url", ""))
         out.append(f)
     return out
+
+
+def _timed_out(exc, deadline):
+    """Whether ``exc`` is a socket timeout that ran into ``deadline`` (then it is the deadline's failure)."""
+    import socket
+
+    reason = getattr(exc, "reason", exc)
+    if not isinstance(reason, (socket.timeout, TimeoutError)):
+        return False
+    try:
+        deadline.remaining()
+    except FetchTimeout:
+        return True
+    return False
+
+
+def latest(project, index=None, deadline=None):
+    """``(newest release, newest final release)`` of ``project`` on the index (either may be None).
+
+    Releases are the versions of the files the index lists (PEP 691) that are not yanked, read from the file
+    names; dev releases count as pre-releases, and a version that is not PEP 440 is ignored, as pip does.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    found = set()
+    for f in files(project, index, deadline=deadline):
+        text = None if f.get("yanked") else _version_of(f.get("filename", ""), project)
+        try:
+            if text:
+                found.add(Version(text))
+        except InvalidVersion:
+            continue
+    if not found:
+        return None, None
+    finals = [v for v in found if not v.is_prerelease and not v.is_devrelease]
+    return str(max(found)), (str(max(finals)) if finals else None)
 
 
 def pick(entries, project, version, kind="sdist"):
@@ -118,12 +202,13 @@ def pick(entries, project, version, kind="sdist"):
     return mine[0] if mine else None
 
 
-def download(project, version, dest, kind="sdist", index=None, timeout=600):
+def download(project, version, dest, kind="sdist", index=None, timeout=600, deadline=None):
     """Download the ``kind`` file of ``project==version`` into directory ``dest``; returns its path.
 
     The sha256 the index publishes is checked; the file appears under its final name only when complete.
+    ``deadline`` (:class:`Deadline`) bounds the look-up and the download together.
     """
-    entry = pick(files(project, index), project, version, kind)
+    entry = pick(files(project, index, deadline=deadline), project, version, kind)
     if entry is None:
         raise IndexLookupError(f"{index or index_url()} has no {kind} of {project}=={version}")
     os.makedirs(dest, exist_ok=True)
@@ -131,18 +216,22 @@ def download(project, version, dest, kind="sdist", index=None, timeout=600):
     want = (entry.get("hashes") or {}).get("sha256")
     digest = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=dest, prefix=".part-")
+    def write(chunk):
+        digest.update(chunk)
+        out.write(chunk)
+
     try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(entry["url"], timeout=timeout) as resp:
-            while True:
-                chunk = resp.read(1 << 20)
-                if not chunk:
-                    break
-                digest.update(chunk)
-                out.write(chunk)
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(
+                entry["url"], timeout=deadline.remaining(timeout) if deadline else timeout) as resp:
+            _read_all(resp, deadline, write)
         if want and digest.hexdigest() != want:
             raise IndexLookupError(f"{entry['url']}: sha256 {digest.hexdigest()} != {want} published by the index")
         shutil.move(tmp, path)
+    except FetchTimeout:
+        raise
     except OSError as exc:
+        if deadline is not None and _timed_out(exc, deadline):
+            raise deadline.expired() from None
         raise IndexLookupError(f"cannot download {entry['url']}: {exc}") from None
     finally:
         if os.path.exists(tmp):

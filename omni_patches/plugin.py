@@ -11,3 +11,9 @@ def register():
     from ._bootstrap import pth_hook
 
     pth_hook(source="vllm-plugin")
+    import os
+
+    if os.environ.get("OMNI_PATCHES_INSTANCE"):  # a process of an instance whose driver ran the shim: if the
+        from . import proof                      # shim stays off here, `status --all-processes` lists it as such
+
+        proof.inactive_here()

@@ -6,7 +6,9 @@ Nothing here runs at interpreter start-up. At the first vLLM-family import the e
 application
 
 * rewrites ``<state dir>/<pid>.json`` atomically (temp file + ``os.replace``: a reader never sees half a
-  file, concurrent writers never share a file), removed again at interpreter exit (``atexit``);
+  file, concurrent writers never share a file), removed again at exit: ``atexit``, and multiprocessing's own
+  exit finalizers for fork and forkserver children (they end in ``os._exit`` after ``Process._bootstrap``,
+  which skips ``atexit``);
 * inside a Ray process (``ray`` already imported and connected; ray is never imported here), also puts the
   record into the cluster's own key-value store (GCS internal KV, namespace :data:`KV_NAMESPACE`, key
   ``<instance>/<node id>/<pid>``), so ``omni-patches status --all-processes --ray`` sees every node;
@@ -19,9 +21,15 @@ it when unset, in ``os.environ``: every child inherits it, and vLLM's Ray execut
 workers (the V2 executor copies the driver's environment, the legacy one the ``OMNI_PATCHES`` prefix).
 Every record carries it, so records of one serving instance can be told from another's.
 
+The engine also calls :func:`started` once its gates decided, so a process where nothing applies is listed
+too, and vLLM's plugin entry point calls :func:`inactive_here` in a process of a serving instance (one that
+inherited ``OMNI_PATCHES_INSTANCE``) where the shim stays off, so the view lists it with the reason.
+
 State directory: ``$OMNI_PATCHES_STATE_DIR`` if set (give each serving instance its own), else
 ``$XDG_RUNTIME_DIR/omni-patches``, else ``<tempdir>/omni-patches-<uid>`` (mode 0700; a directory owned by
-someone else is not written to).
+someone else is not written to). A relative ``OMNI_PATCHES_STATE_DIR`` is made absolute once, at the first
+record, and put back into ``os.environ``: a later ``os.chdir`` of the host, and the children it starts, use
+the same directory.
 
 Role: ``ray worker <rank>`` in a Ray worker process (``default_worker.py``, or Ray's worker mode), with
 vLLM's rank read from ``vllm.distributed.parallel_state`` when it is initialised; otherwise
@@ -39,6 +47,8 @@ INSTANCE = "OMNI_PATCHES_INSTANCE"
 KV_NAMESPACE = "omni_patches"
 
 _written_pid = None  # pid whose record this process wrote (a forked child writes its own)
+_written_file = None  # where it went: removed from there at exit, whatever the cwd or the environment by then
+_mp_finalizer = None  # multiprocessing exit finalizer of this process (fork / forkserver children)
 _published_key = None  # (pid, KV key) this process put into Ray's KV store
 _logged_pid = None
 _gauge = None
@@ -66,8 +76,11 @@ def ensure_instance(environ=None):
         return None
 
 
+STATE_DIR = "OMNI_PATCHES_STATE_DIR"
+
+
 def state_dir(environ=os.environ):
-    explicit = environ.get("OMNI_PATCHES_STATE_DIR", "").strip()
+    explicit = environ.get(STATE_DIR, "").strip()
     if explicit:
         return explicit
     runtime = environ.get("XDG_RUNTIME_DIR", "").strip()
@@ -76,6 +89,21 @@ def state_dir(environ=os.environ):
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"omni-patches-{os.getuid()}")
+
+
+def _writer_dir():
+    """The directory this process records into. A relative ``OMNI_PATCHES_STATE_DIR`` is resolved against the
+    working directory once, here, and put back into ``os.environ`` absolute: the host may ``os.chdir`` later
+    (its record must still be found and removed), and the children it starts must use the same directory."""
+    raw = os.environ.get(STATE_DIR, "").strip()
+    if raw and not os.path.isabs(raw):
+        absolute = os.path.abspath(raw)
+        try:
+            os.environ[STATE_DIR] = absolute
+        except Exception:  # pragma: no cover - an odd os.environ: the absolute path still serves this process
+            pass
+        return absolute
+    return os.path.abspath(state_dir())
 
 
 # -- who is this process ------------------------------------------------------------------------------
@@ -132,6 +160,11 @@ def vllm_rank():
     tp = getattr(ps, "_TP", None)
     if isinstance(getattr(tp, "rank_in_group", None), int):
         out["tp_rank"] = tp.rank_in_group
+    # The instance's parallel layout, so the reader can tell how many workers to expect (absent groups: unknown).
+    for key, attr in (("tp_size", "_TP"), ("pp_size", "_PP"), ("dp_size", "_DP")):
+        size = getattr(getattr(ps, attr, None), "world_size", None)
+        if isinstance(size, int):
+            out[key] = size
     return out
 
 
@@ -176,14 +209,20 @@ def _snapshot(state):
     return patches
 
 
+def _proc_stat(pid):
+    """``(state letter, kernel start time in clock ticks after boot)`` of ``pid`` (Linux), else (None, None)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None, None
+
+
 def _start_time(pid):
     """Kernel start time of ``pid`` in clock ticks after boot (Linux), so a reused pid is not taken for the
     recorded process."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rpartition(")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    return _proc_stat(pid)[1]
 
 
 _BOOT = {}
@@ -244,15 +283,19 @@ def _own_dir(path):
 
 
 def write(rec, directory=None):
+    """Write ``rec`` atomically; returns the file. A writer killed mid-way leaves only ``.<pid>.*.tmp``,
+    which ``prune`` removes once that pid is dead."""
     import json
     import tempfile
 
-    directory = _own_dir(directory or state_dir())
+    directory = _own_dir(directory or _writer_dir())
     fd, tmp = tempfile.mkstemp(prefix=f".{rec['pid']}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(rec, fh)
-        os.replace(tmp, os.path.join(directory, f"{rec['pid']}.json"))
+        path = os.path.join(directory, f"{rec['pid']}.json")
+        os.replace(tmp, path)
+        return path
     except BaseException:
         try:
             os.unlink(tmp)
@@ -311,37 +354,63 @@ def _remove():
         return  # inherited through fork: the parent's record is the parent's business
     _unpublish()
     try:
-        os.unlink(os.path.join(state_dir(), f"{_written_pid}.json"))
+        os.unlink(_written_file or os.path.join(_writer_dir(), f"{_written_pid}.json"))
     except OSError:
         pass
 
 
+def _remove_at_mp_exit():
+    """Also remove the record from multiprocessing's exit finalizers: a fork or forkserver child ends with
+    ``os._exit`` after ``Process._bootstrap`` (atexit never runs there), but its finalizers do run. Once per
+    process (``_bootstrap`` clears the registry a forked child inherits before its after-fork hooks run)."""
+    global _mp_finalizer
+    util = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return
+    if _mp_finalizer is not None and _mp_finalizer._pid == os.getpid() and _mp_finalizer.still_active():
+        return
+    _mp_finalizer = util.Finalize(None, _remove, exitpriority=-1)  # after the children were joined
+
+
 def _after_fork_in_child():
     """A forked child inherits the patched modules: record it as a process of its own."""
-    global _written_pid
+    global _written_pid, _written_file
     state = _current_state()
     if state is None or _written_pid is None:
         return
     try:
-        write(record(state))
+        _written_file = write(_inactive_record() if state is _INACTIVE else record(state))
         _written_pid = os.getpid()
+        _remove_at_mp_exit()
     except Exception:
         _written_pid = None
 
 
+class _Inactive:
+    """Stands for the engine state in a process recorded as inactive (see :func:`inactive_here`)."""
+
+
+_INACTIVE = _Inactive()
+_inactive_reason = None
+
+
 def _current_state():
     engine = sys.modules.get("omni_patches.engine")
-    return getattr(engine, "_state", None)
+    state = getattr(engine, "_state", None)
+    if state is None and _inactive_reason is not None:
+        return _INACTIVE
+    return state
 
 
 def refresh():
     """Record this process again (e.g. once vLLM's rank is known). Cheap when nothing applied; never raises."""
+    global _written_file
     state = _current_state()
-    if state is None or _written_pid != os.getpid():
+    if state is None or state is _INACTIVE or _written_pid != os.getpid():
         return False
     try:
         rec = record(state)
-        write(rec)
+        _written_file = write(rec)
         _publish_quietly(rec)
         return True
     except Exception:
@@ -360,7 +429,7 @@ def _publish_quietly(rec):
 
 def applied(state, patch_id):
     """Called by the engine after each successful application. Never raises."""
-    global _written_pid, _logged_pid, _at_fork_registered, _atexit_registered
+    global _logged_pid
     from . import log
 
     try:
@@ -369,33 +438,92 @@ def applied(state, patch_id):
             _logged_pid = rec["pid"]
             states = ", ".join(f"{k}={v['state']}" for k, v in rec["patches"].items())
             log.get().info("process pid=%s role=%s instance=%s patched by omni-patches %s: %s (state dir %s)",
-                           rec["pid"], rec["role"], rec["instance"], rec["omni_patches"], states, state_dir())
-        _publish_quietly(rec)
-        try:
-            write(rec)
-            _written_pid = rec["pid"]
-            if not _atexit_registered:
-                import atexit
-
-                atexit.register(_remove)
-                _atexit_registered = True
-            if not _at_fork_registered and hasattr(os, "register_at_fork"):
-                os.register_at_fork(after_in_child=_after_fork_in_child)
-                _at_fork_registered = True
-            mp = sys.modules.get("multiprocessing")
-            if mp is not None and not getattr(_FORK_TOKEN, "registered", False):
-                # A multiprocessing fork child knows its name (VllmWorker-N) only in Process._bootstrap,
-                # after os-level fork hooks ran: record it again from there.
-                import multiprocessing.util
-
-                multiprocessing.util.register_after_fork(_FORK_TOKEN, lambda _tok: _after_fork_in_child())
-                _FORK_TOKEN.registered = True
-        except OSError as exc:
-            log.once(30, ("proof", "write"), "cannot record this process in %s (%s); `omni-patches status "
-                     "--all-processes` will not list it", state_dir(), exc)
+                           rec["pid"], rec["role"], rec["instance"], rec["omni_patches"], states, _writer_dir())
+        _keep(rec)
         _update_gauge(rec["patches"])
     except Exception:
         log.once(30, ("proof", "error"), "could not record what omni-patches applied", exc_info=True)
+
+
+def started(state):
+    """Called by the engine once its gates decided (the first vLLM-family import): record this process even
+    when no patch applies in it (a driver, a worker where everything is skipped), so ``status --all-processes``
+    lists every process of the instance the shim runs in. Never raises."""
+    from . import log
+
+    if _written_pid == os.getpid():
+        return
+    try:
+        _keep(record(state))
+    except Exception:
+        log.once(30, ("proof", "error"), "could not record this process", exc_info=True)
+
+
+def _inactive_record():
+    from . import __version__
+
+    pid = os.getpid()
+    start = _start_time(pid)
+    info = ray_info()
+    rec = {"pid": pid, "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0), "start": start,
+           "started": _started_at(start), "updated": time.time(), "host": os.uname().nodename,
+           "boot_id": _boot("boot_id"), "instance": os.environ.get(INSTANCE), "omni_patches": __version__,
+           "python": sys.executable, **role(info=info), "inactive": _inactive_reason, "patches": {}}
+    if info is not None:
+        rec["ray"] = {k: v for k, v in info.items() if k != "worker_mode"}
+    return rec
+
+
+def inactive_here():
+    """vLLM's plugin entry point calls this after its activation attempt. In a process of a serving instance
+    (``OMNI_PATCHES_INSTANCE`` inherited from a process where the shim ran) where the shim stays off (the
+    node's own ``OMNI_PATCHES=0``, a value that is no switch), record the process as inactive, with the reason:
+    the instance view must show the rank that runs unpatched. Anywhere else nothing happens. Never raises."""
+    global _inactive_reason
+    try:
+        if not (os.environ.get(INSTANCE) or "").strip() or _written_pid == os.getpid():
+            return False
+        from . import engine
+
+        if engine.is_active():
+            return False  # recorded by started() / applied()
+        _inactive_reason = engine.inactive_reason()
+        _keep(_inactive_record())
+        return True
+    except Exception:
+        return False
+
+
+def _keep(rec):
+    """Publish ``rec`` (Ray), write it, and register what removes it at exit and records forked children."""
+    global _written_pid, _written_file, _at_fork_registered, _atexit_registered
+    from . import log
+
+    _publish_quietly(rec)
+    try:
+        _written_file = write(rec)
+        _written_pid = rec["pid"]
+        _remove_at_mp_exit()
+        if not _atexit_registered:
+            import atexit
+
+            atexit.register(_remove)
+            _atexit_registered = True
+        if not _at_fork_registered and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _at_fork_registered = True
+        mp = sys.modules.get("multiprocessing")
+        if mp is not None:
+            # A multiprocessing fork child knows its name (VllmWorker-N) only in Process._bootstrap,
+            # after os-level fork hooks ran: record it again from there (and register its exit finalizer).
+            import multiprocessing.util as util
+
+            if _FORK_TOKEN.registered is not util:  # once per module (a reloaded one has a new registry)
+                util.register_after_fork(_FORK_TOKEN, lambda _tok: _after_fork_in_child())
+                _FORK_TOKEN.registered = util
+    except OSError as exc:
+        log.once(30, ("proof", "write"), "cannot record this process in %s (%s); `omni-patches status "
+                 "--all-processes` will not list it", _writer_dir(), exc)
 
 
 def _update_gauge(patches):
@@ -443,9 +571,12 @@ def alive(pid):
 def _local_alive(rec):
     """Whether the recorded process still runs, judged on this machine (only valid on the same boot)."""
     pid = rec.get("pid")
-    if not (isinstance(pid, int) and alive(pid)):
+    if not (isinstance(pid, int) and pid > 0 and alive(pid)):
         return False
-    if rec.get("start") is not None and _start_time(pid) not in (None, rec["start"]):
+    state, start = _proc_stat(pid)
+    if state in ("Z", "X", "x"):
+        return False  # dead, not yet reaped by its parent (a killed worker whose parent has not joined it)
+    if rec.get("start") is not None and start not in (None, rec["start"]):
         return False  # the pid was reused by another process
     return True
 
@@ -454,8 +585,38 @@ def _status(is_alive):
     return {True: "running", False: "gone", None: "unknown"}[is_alive]
 
 
-def collect(directory=None):
-    """Every record in the state directory, each with ``alive`` set; unreadable files are reported, not fatal."""
+_NUMBERS = ("pid", "ppid", "pgid", "sid", "start", "started", "updated")
+_TEXTS = ("instance", "role", "process_name", "host", "boot_id", "node_ip")
+
+
+def _check(rec):
+    """Why ``rec`` (parsed JSON) is not an omni-patches record, or None. The readers rely on these types."""
+    if not isinstance(rec, dict):
+        return f"not an omni-patches record (a JSON {type(rec).__name__})"
+    if not isinstance(rec.get("pid"), int) or isinstance(rec.get("pid"), bool):
+        return "not an omni-patches record (no integer pid)"
+    for key in _NUMBERS:
+        value = rec.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"not an omni-patches record ({key!r} is a {type(value).__name__}, not a number)"
+    for key in _TEXTS:
+        if rec.get(key) is not None and not isinstance(rec[key], str):
+            return f"not an omni-patches record ({key!r} is a {type(rec[key]).__name__}, not a string)"
+    patches = rec.get("patches", {})
+    if not isinstance(patches, dict) or not all(isinstance(v, dict) for v in patches.values()):
+        return "not an omni-patches record ('patches' is not a mapping of patch id to state)"
+    if any(not isinstance(v.get("state", ""), str) for v in patches.values()):
+        return "not an omni-patches record (a patch state is not a string)"
+    ray = rec.get("ray")
+    if ray is not None and not (isinstance(ray, dict) and all(v is None or isinstance(v, str) for v in ray.values())):
+        return "not an omni-patches record ('ray' is not a mapping of names to strings)"
+    return None
+
+
+def collect(directory=None, problems=None):
+    """Every record in the state directory, each with ``alive`` set. Files that are no record (unparsable,
+    foreign JSON, unreadable) come back as ``unreadable`` entries; a directory that cannot be listed (a file,
+    another user's 0700 directory) adds a line to ``problems``. Never raises over what it reads."""
     import json
 
     directory = directory or state_dir()
@@ -463,6 +624,10 @@ def collect(directory=None):
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
+        return out
+    except OSError as exc:
+        if problems is not None:
+            problems.append(f"cannot read the state directory {directory}: {exc.strerror or exc}")
         return out
     for name in names:
         if not name.endswith(".json") or name.startswith("."):
@@ -476,9 +641,17 @@ def collect(directory=None):
         except (OSError, ValueError) as exc:
             out.append({"file": path, "error": str(exc), "alive": False, "status": "unreadable"})
             continue
+        error = _check(rec)
+        if error:
+            out.append({"file": path, "error": error, "alive": False, "status": "unreadable"})
+            continue
         rec["file"] = path
         rec["source"] = "local"
         rec["alive"] = _local_alive(rec)
+        if rec.get("boot_id") and _boot("boot_id") and rec["boot_id"] != _boot("boot_id"):
+            # Written on another boot: of this machine (its process died with that boot), or of another machine
+            # sharing the directory (its pid says nothing here).
+            rec["alive"] = False if rec.get("host") == os.uname().nodename else None
         rec["status"] = _status(rec["alive"])
         out.append(rec)
     return sorted(out, key=lambda r: (r.get("pgid") or 0, r.get("pid") or 0))
@@ -510,18 +683,104 @@ def visible(records, show_all=False):
     return out
 
 
-def prune(directory=None):
-    """Remove the records of dead processes from the state directory. Returns the files removed."""
-    removed = []
-    for rec in collect(directory):
-        if rec.get("status") != "gone":
+def leftovers(directory=None):
+    """Temp files of writers that died mid-write (``.<pid>.*.tmp`` whose pid is dead, a zombie, or now a later
+    process that reused the pid): nothing else ever removes them."""
+    directory = directory or state_dir()
+    out = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        if not (name.startswith(".") and name.endswith(".tmp")):
             continue
+        pid = name[1:].partition(".")[0]
+        if not pid.isdigit():
+            continue
+        path = os.path.join(directory, name)
         try:
-            os.unlink(rec["file"])
-            removed.append(rec["file"])
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue  # renamed into place (or removed) while we listed
+        started = _started_at(_proc_stat(int(pid))[1])
+        if not _local_alive({"pid": int(pid)}) or (started is not None and started > mtime + 1):
+            out.append(path)
+    return out
+
+
+def _int(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def instances(records):
+    """Per instance: the worker count vLLM's parallel layout expects (its world size, recorded by the workers
+    once their parallel state is initialised) next to the ranks found running, and the ranks missing."""
+    out = {}
+    for r in records:
+        if "error" in r:
+            continue
+        info = out.setdefault(r.get("instance") or "-", {"processes": 0, "expected_workers": None, "ranks": set()})
+        info["processes"] += 1
+        size = _int(r.get("world_size"))
+        if size is not None and size > 0 and (info["expected_workers"] or 0) < size:
+            info["expected_workers"] = size
+            for key in ("tp_size", "pp_size", "dp_size"):
+                info[key] = _int(r.get(key))
+        rank = _int(r.get("rank"))
+        if rank is not None and r.get("status") in ("running", "unknown"):
+            info["ranks"].add(rank)
+    for info in out.values():
+        ranks = info.pop("ranks")
+        info["workers_found"] = len(ranks)
+        expected = info["expected_workers"]
+        info["missing_ranks"] = sorted(set(range(expected)) - ranks) if expected else []
+    return out
+
+
+PRUNED = ".pruned"  # in the state directory: when --prune last ran and what it removed (the empty view says so)
+
+
+def prune(directory=None, problems=None):
+    """Remove the records of dead processes, and the temp files of writers killed mid-write, from the state
+    directory. Records that are no omni-patches record are left alone (reported by ``collect``). Returns the
+    files removed; what could not be read or removed goes to ``problems``."""
+    import json
+
+    directory = directory or state_dir()
+    removed = []
+    stale = [rec["file"] for rec in collect(directory, problems) if rec.get("status") == "gone"]
+    for path in stale + leftovers(directory):
+        try:
+            os.unlink(path)
+            removed.append(path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            if problems is not None:
+                problems.append(f"cannot remove {path}: {exc.strerror or exc}")
+    if removed:
+        try:
+            with open(os.path.join(directory, PRUNED), "w") as fh:
+                json.dump({"time": time.time(), "removed": len(removed)}, fh)
+        except OSError:
+            pass
     return removed
+
+
+def last_prune(directory=None):
+    """``{"time", "removed"}`` of the last prune that removed something here, else None."""
+    import json
+
+    try:
+        with open(os.path.join(directory or state_dir(), PRUNED)) as fh:
+            got = json.load(fh)
+        return got if isinstance(got, dict) and isinstance(got.get("time"), (int, float)) else None
+    except (OSError, ValueError):
+        return None
 
 
 # -- Ray cluster reader (imports ray: only for ``status --ray``) --------------------------------------------
@@ -642,8 +901,11 @@ def collect_ray(address=None, cluster=None):
         skey = key.decode() if isinstance(key, bytes) else str(key)
         try:
             rec = json.loads(raw)
+            error = _check(rec)
         except ValueError as exc:
-            out.append({"key": skey, "error": str(exc), "alive": False, "status": "unreadable", "source": "ray"})
+            error = str(exc)
+        if error:
+            out.append({"key": skey, "error": error, "alive": False, "status": "unreadable", "source": "ray"})
             continue
         rec["key"] = skey
         rec["source"] = "ray"
@@ -678,10 +940,11 @@ def prune_ray(records, address=None, cluster=None):
 
 
 def merge_local(ray_records, local_records):
-    """The cluster's records plus this host's local ones of the same instances that Ray does not hold (the
-    driver / engine core usually applies its patches before it connects to Ray)."""
+    """The cluster's records plus this host's local ones that Ray does not hold: those of the same instances,
+    and every live one (the driver / engine core records itself before it connects to Ray, and is the only
+    process of its instance listed when no worker could record itself), and the files that are no record."""
     instances = {r.get("instance") for r in ray_records if r.get("instance")}
     seen = {(r.get("boot_id"), r.get("pid")) for r in ray_records}
-    extra = [r for r in local_records if r.get("instance") in instances
-             and (r.get("boot_id"), r.get("pid")) not in seen]
+    extra = [r for r in local_records if (r.get("boot_id"), r.get("pid")) not in seen
+             and (r.get("instance") in instances or r.get("status") in ("running", "unknown", "unreadable"))]
     return ray_records + extra

@@ -9,7 +9,8 @@ ABSENT = "skipped:absent"
 DRIFTED = "drifted"
 FAILED = "failed"
 INACTIVE = "inactive"  # the shim is not active in this process; the reason says why and what it would do
-STATES = (APPLIED, PENDING, DISABLED, VERSION, ABSENT, DRIFTED, FAILED, INACTIVE)
+REVERTED = "reverted"  # applied, but what it installed is no longer in place (its module reloaded): stock runs
+STATES = (APPLIED, PENDING, DISABLED, VERSION, ABSENT, DRIFTED, FAILED, INACTIVE, REVERTED)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class PatchStatus:
     enabled: bool = True
     requires: dict = field(default_factory=dict)  # distribution -> PEP 440 specifier
     installed: dict = field(default_factory=dict)  # distribution -> installed version or None
+    assumed: dict = field(default_factory=dict)  # distribution -> version gated on instead (OMNI_PATCHES_ASSUME_VERSION)
     targets: tuple = ()
     applied_targets: tuple = ()
     changed: tuple = ()  # "module.Class.attr" of every attribute the patch replaced in this process

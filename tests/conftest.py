@@ -19,22 +19,16 @@ for _k in [k for k in os.environ if k.startswith("OMNI_PATCHES")]:
     del os.environ[_k]
 
 # Production state stays untouched: every process of the session (children inherit it; support.venvs keeps it
-# in the environments it builds) records into the session's own directory. The default directory is
-# fingerprinted now and checked by the last test (tests/test_state_isolation.py).
+# in the environments it builds) records into the session's own directory. A guard watches the default directory
+# for records written by the suite's own processes (other processes of this user may write there meanwhile);
+# the last test (tests/test_state_isolation.py) checks it found none.
 from omni_patches import proof as _proof  # noqa: E402
-
-def state_fingerprint(directory):
-    """(name, size, mtime) of every entry of ``directory``: any record written, removed or rewritten shows."""
-    try:
-        return sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory))
-    except FileNotFoundError:
-        return None
-
+from support.state_guard import StateGuard  # noqa: E402
 
 DEFAULT_STATE_DIR = _proof.state_dir()
-DEFAULT_STATE_BEFORE = state_fingerprint(DEFAULT_STATE_DIR)
 SESSION_STATE_DIR = tempfile.mkdtemp(prefix="omni-patches-test-state-")
 os.environ["OMNI_PATCHES_STATE_DIR"] = SESSION_STATE_DIR
+STATE_GUARD = StateGuard(DEFAULT_STATE_DIR, SESSION_STATE_DIR).start()
 
 # Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
 # to unless told otherwise, and rendezvous goes to MASTER_ADDR.

@@ -28,7 +28,7 @@ V027 = dict(module=RE, cls="AscendRoutedExperts", method="forward_impl", setter=
 # Every release on PyPI -> (layout, how its PunicaWrapperNPU keeps no_lora). 0.27.1rc1 brought vllm-ascend #13365:
 # has_lora() (quantized path only) and an update_metadata that recomputes no_lora on every mapping.
 LAYOUTS = {
-    "0.23.0": (V023, patch.PREFILL), "0.23.0.post1": (V023, patch.PREFILL),
+    "0.23.0rc1": (V023, patch.PREFILL), "0.23.0": (V023, patch.PREFILL), "0.23.0.post1": (V023, patch.PREFILL),
     "0.24.0rc1": (V024, patch.PREFILL), "0.25.1rc1": (V024, patch.PREFILL), "0.26.0rc1": (V024, patch.PREFILL),
     "0.27.1rc1": (V027, patch.ALWAYS), "0.28.0rc1": (V027, patch.ALWAYS), "0.29.0rc1": (V027, patch.ALWAYS),
     "0.30.0rc1": (V027, patch.ALWAYS), "0.30.0rc2": (V027, patch.ALWAYS),

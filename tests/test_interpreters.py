@@ -224,3 +224,181 @@ def test_pep829_start_file_activates_once_beside_the_pth(venv):
     out = run(venv["python"], code, "-S", OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["registry"],
               PYTHONPATH=str(site))
     assert out.stdout.strip() == "['start'] 6", out.stderr
+
+
+# -- issue 20: strict mode and messages, as an operator meets them ------------------------------------------
+STRICT_LINE = "omni_patches.engine.StrictModeError: omni-patches (OMNI_PATCHES_STRICT=1): "
+
+
+def _last(out):
+    return (out.stderr.strip().splitlines() or [""])[-1]
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"OMNI_PATCHES": "2"}, "OMNI_PATCHES='2' is not 1/true/yes/on or 0/false/no/off"),
+    ({"OMNI_PATCHES": "1", "OMNI_PATCHES_LOG_LEVEL": "loud"}, "OMNI_PATCHES_LOG_LEVEL='loud' is not a logging level"),
+    ({"OMNI_PATCHES": "1", "OMNI_PATCHES_LORA_CPU_FUSED_KERNEL": "xx"},
+     "OMNI_PATCHES_LORA_CPU_FUSED_KERNEL='xx' is not one of auto|addmm|fp32"),
+    ({"OMNI_PATCHES": "1", "OMNI_PATCHES_ASSUME_VERSION": "fake-omni=0.28.0,fake_omni=0.26.0"},
+     "fake-omni is named 2 times"),
+])
+def test_strict_mode_stops_on_every_invalid_value(venv, env, needle):
+    """What the README promises: in strict mode an invalid OMNI_PATCHES* value stops the program at the
+    first target import (the master switch too, although it leaves the shim off); without, it warns and runs."""
+    code = "import fakeomni.loader as m; print('ran', m.compute(3))"
+    out = run(venv["python"], code, OMNI_PATCHES_STRICT="1", OMNI_PATCHES_CONFIG=venv["registry"], **env)
+    assert out.returncode == 1 and "ran" not in out.stdout, out
+    assert _last(out).startswith(STRICT_LINE) and needle in _last(out), out.stderr
+    out = run(venv["python"], code, OMNI_PATCHES_CONFIG=venv["registry"], **env)
+    assert out.returncode == 0 and out.stdout.startswith("ran"), out
+    assert out.stderr.count(needle) == 1, out.stderr  # warned, once
+
+
+def test_strict_drift_names_the_patch_and_the_target(venv, tmp_path):
+    """An upstream release whose code changed shape (a drifted copy ahead on PYTHONPATH)."""
+    drifted = tmp_path / "drifted"
+    fakes.fake_omni(drifted, "0.28.0", loader="def compute(x, factor=1):\n    return x * factor\n")
+    out = run(venv["python"], "import fakeomni.loader; print('ran')", OMNI_PATCHES="1", OMNI_PATCHES_STRICT="1",
+              OMNI_PATCHES_CONFIG=venv["registry"], PYTHONPATH=str(drifted))
+    assert out.returncode == 1 and "ran" not in out.stdout, out
+    last = _last(out)
+    assert last.startswith(STRICT_LINE + "fake-double: drifted at fakeomni.loader: "), last
+    assert "no parameter(s) scale" in last and "fakepatches.double" in last, last
+
+
+def test_strict_patch_exception_names_the_patch_and_the_target(venv):
+    out = run(venv["python"], "import fakeomni.loader", OMNI_PATCHES="1", OMNI_PATCHES_STRICT="1",
+              OMNI_PATCHES_CONFIG=venv["boom"])
+    assert out.returncode == 1
+    assert _last(out) == (STRICT_LINE + "fake-boom: failed at fakeomni.loader: RuntimeError: boom from a broken "
+                          "patch (nothing applied; patch module fakepatches.boom)"), out.stderr
+
+
+def test_strict_overlay_specifier_names_the_overlay(venv, tmp_path):
+    """An overlay that changes a patch of another file: its own mistake is blamed on it, not on that file."""
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text('[[patch]]\nid = "fake-double"\nrequires = { "fake-omni" = ">>0.1" }\n')
+    out = run(venv["python"], "import fakeomni.loader", OMNI_PATCHES="1", OMNI_PATCHES_STRICT="1",
+              OMNI_PATCHES_CONFIG=f"{venv['registry']}:{overlay}")
+    assert out.returncode == 1
+    last = _last(out)
+    assert f"{overlay}: patch 'fake-double': key 'requires'" in last and venv["registry"] not in last, last
+
+
+def test_huge_master_value_is_not_echoed(venv):
+    value = "x" * 100_000
+    out = run(venv["python"], "import fakeomni.loader", OMNI_PATCHES=value, OMNI_PATCHES_CONFIG=venv["registry"])
+    assert out.returncode == 0 and len(out.stderr) < 1000 and "100000 characters" in out.stderr, len(out.stderr)
+    import subprocess
+
+    from support.venvs import clean_env
+
+    exe = venv["python"].parent / "omni-patches"
+    for args in (["status"], ["status", "--json"], ["doctor"]):
+        out = subprocess.run([str(exe), *args], capture_output=True, text=True,
+                             env=clean_env(OMNI_PATCHES=value, OMNI_PATCHES_CONFIG=venv["registry"]))
+        assert "100000 characters" in out.stdout and value not in out.stdout + out.stderr, args
+        assert len(out.stdout) < 20_000, (args, len(out.stdout))
+
+
+def test_cli_exit_code_survives_a_closed_pipe(venv):
+    """`omni-patches list | head`: the reader leaving early changes nothing about the command's exit code."""
+    import subprocess
+
+    from support.venvs import clean_env
+
+    exe = venv["python"].parent / "omni-patches"
+    for args, code in ((["list"], 0), (["status"], 0), (["doctor"], 0), (["status", "--json"], 0)):
+        proc = subprocess.Popen([str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=clean_env(OMNI_PATCHES_CONFIG=venv["registry"]))
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(60) == code and "Traceback" not in err, (args, proc.returncode, err)
+    shell = f"'{exe}' list | head -1 >/dev/null; exit ${{PIPESTATUS[0]}}"
+    out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True,
+                         env=clean_env(OMNI_PATCHES_CONFIG=venv["registry"]))
+    assert out.returncode == 0 and out.stderr == "", out
+
+
+def test_status_ray_json_without_ray_prints_json(venv, tmp_path):
+    import json
+    import subprocess
+
+    from support.venvs import clean_env
+
+    exe = venv["python"].parent / "omni-patches"
+    for args in (["status", "--ray", "--json"], ["status", "--ray", "--prune", "--json"]):
+        out = subprocess.run([str(exe), *args, "--state-dir", str(tmp_path)], capture_output=True, text=True,
+                             env=clean_env())
+        assert out.returncode == 2, out
+        doc = json.loads(out.stdout)
+        assert "ray is not importable here" in doc["error"], doc
+
+
+def test_pythonpath_install_says_pth_files_are_not_read_there(venv, tmp_path):
+    """`pip install --target T` + `PYTHONPATH=T`: the package imports, but Python never reads T's .pth."""
+    import subprocess
+    import sys
+
+    from support.venvs import ROOT, clean_env, pip
+
+    target = tmp_path / "target"
+    pip(venv["python"], ["install", "-q", "--disable-pip-version-check", "--target", str(target), str(ROOT)], target)
+    assert (target / "omni_patches.pth").is_file()
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    out = subprocess.run([str(bare / "bin" / "python"), "-m", "omni_patches", "status"], capture_output=True,
+                         text=True, env=clean_env(OMNI_PATCHES="1", PYTHONPATH=str(target)))
+    header = out.stdout.splitlines()[0]
+    assert "was not set when this interpreter started" not in header, header
+    assert f"omni_patches.pth is in {target}, which is on PYTHONPATH" in header, header
+    assert "reads .pth files only in site directories" in header, header
+
+
+@pytest.fixture(scope="module")
+def no_wrapt(tmp_path_factory):
+    """An image where omni-patches' dependency wrapt is missing (installed --no-deps, packaging added)."""
+    root = tmp_path_factory.mktemp("nowrapt")
+    python = make_venv(root / "env", no_deps=True, also=("packaging",))
+    site = site_packages(python)
+    fakes.fake_omni(site, "0.28.0")
+    shutil.copytree(fakes.__file__.rsplit("/support/", 1)[0] + "/fakepatches", site / "fakepatches")
+    registry = root / "fake.toml"
+    registry.write_text(fakes.registry_text(fakes.entry()))
+    assert run(python, "import wrapt").returncode != 0
+    return python, str(registry)
+
+
+def test_missing_wrapt_is_failed_not_pending(no_wrapt):
+    python, registry = no_wrapt
+    code = "import fakeomni.loader as m, omni_patches; print([(s.state, s.reason) for s in omni_patches.status()])"
+    out = run(python, code, OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=registry)
+    assert out.returncode == 0 and "could not start" in out.stderr, out  # the host runs on, unpatched
+    states = eval(out.stdout)
+    assert states and all(s == "failed" and "No module named 'wrapt'" in r for s, r in states), states
+    import subprocess
+
+    from support.venvs import clean_env
+
+    # doctor, status in a shell (what a process started with OMNI_PATCHES=1 would do), status with it set
+    for args, env, code in ((["doctor"], {}, 1), (["status"], {}, 0), (["status"], {"OMNI_PATCHES": "1"}, 1)):
+        out = subprocess.run([str(python), "-m", "omni_patches", *args], capture_output=True, text=True,
+                             env=clean_env(OMNI_PATCHES_CONFIG=registry, **env))
+        assert "Traceback" not in out.stderr and out.returncode == code, (args, out)
+        assert "No module named 'wrapt'" in out.stdout and "pending" not in out.stdout, (args, out.stdout)
+
+
+def test_moved_editable_source_is_one_line(tmp_path):
+    """An editable install whose checkout was moved away: every interpreter starts; with OMNI_PATCHES set it
+    says so in one line, without it nothing at all."""
+    from support.venvs import project_copy
+
+    src = project_copy(tmp_path / "src")
+    python = make_venv(tmp_path / "env", editable=True, project=src)
+    src.rename(tmp_path / "moved")
+    out = run(python, "print('ran')", OMNI_PATCHES="1")
+    assert out.returncode == 0 and out.stdout == "ran\n", out
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert "omni_patches package cannot be imported" in out.stderr, out.stderr
+    out = run(python, "print('ran')")
+    assert out.returncode == 0 and out.stdout == "ran\n" and out.stderr == "", out

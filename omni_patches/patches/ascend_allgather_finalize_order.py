@@ -264,8 +264,12 @@ def make_finalize(original, module_globals, layout):
                 keep_dp = self.num_tokens
                 pcp_group = g["get_pcp_group"]()
                 dp_group = g["get_dp_group"]()
-        except Exception:  # something this patch did not expect: the stock method decides
+        except Exception as exc:  # something this patch did not expect: the stock method decides
             both = False
+            from ..context import fallback
+
+            fallback(PATCH_ID, f"reading the layer's DP/PCP configuration or groups raised {type(exc).__name__}: "
+                               "the stock finalize ran")
         if not both:
             return stock(self, hidden_states, reduce_results)
         # Undo prepare's gathers in reverse: PCP (the last gather) first, then DP.

@@ -11,8 +11,10 @@ Upstream:    https://github.com/vllm-project/vllm-ascend/pull/10977 (the unquant
              (upstream's own gate, ``has_lora(ctx)`` = context and not ``punica_wrapper.no_lora``, with the NPU
              punica wrapper recomputing ``no_lora`` on every update: quantized MoE path only). This patch is
              that gate, applied to the unquantized path, trusting ``no_lora`` only where it is fresh.
-Affected:    vllm-ascend >=0.23.0 (every release on PyPI: 0.23.0, 0.23.0.post1, 0.24.0rc1, 0.25.1rc1, 0.26.0rc1,
-             0.27.1rc1, 0.28.0rc1, 0.29.0rc1, 0.30.0rc1, 0.30.0rc2; dev/rc/source builds included). Skipped as
+Affected:    vllm-ascend >=0.23.0rc1 (every release on PyPI from the first with the MoE-LoRA branch: 0.23.0rc1,
+             0.23.0, 0.23.0.post1, 0.24.0rc1, 0.25.1rc1, 0.26.0rc1, 0.27.1rc1, 0.28.0rc1, 0.29.0rc1, 0.30.0rc1,
+             0.30.0rc2; dev/rc/source builds included; 0.23.0rc1's ops/fused_moe differs from 0.23.0 only in
+             the quantized token-dispatcher path). Older code has no MoE-LoRA context: "not affected". Skipped as
              fixed upstream by feature when the runner method or the function holding the unquantized LoRA
              branch (``moe_mlp.unquant_apply_mlp`` up to 0.27, ``AscendUnquantizedFusedMoEMethod.apply_gmm1``
              from 0.28) checks ``has_lora``/``no_lora`` itself (0.30.0rc2 has ``has_lora`` for the quantized
@@ -84,6 +86,9 @@ _IDLE = """
                 _idle = False
         except AttributeError:
             _idle = False
+        except Exception:  # a wrapper this was not built for: stock's branch decides
+            _idle = False
+            _unreadable()
 """
 
 _BODY = """
@@ -196,8 +201,15 @@ def _signature_parts(func):
     return ", ".join(params), ", ".join(call), ns
 
 
+def _unreadable():
+    from ..context import fallback
+
+    fallback(PATCH_ID, "reading the context's punica_wrapper.no_lora / is_prefill raised: the forward ran with "
+                       "the context, as stock")
+
+
 def _compile(original, body, ns):
-    ns.update(_orig=original, _KINDS=_KINDS, _learn=_learn, _ALWAYS=ALWAYS, _PREFILL=PREFILL)
+    ns.update(_orig=original, _KINDS=_KINDS, _learn=_learn, _ALWAYS=ALWAYS, _PREFILL=PREFILL, _unreadable=_unreadable)
     exec(compile(body, f"<omni-patches {PATCH_ID} {original.__qualname__}>", "exec"), ns)
     return ns[original.__name__]
 
@@ -284,6 +296,30 @@ def _mlp_module():
     return importlib.import_module(MOE_MLP)
 
 
+# What the bug lives in: the MoE-LoRA context and its branch (vllm-ascend #10977). Code without any of these
+# names in its fused-MoE files predates the bug (vllm-ascend <= 0.22.1rc1); code with any of them that no
+# layout above matches has drifted.
+_MOE_LORA_MARKERS = ("lora_context", "moe_lora_apply", "punica_wrapper")
+
+
+def _module_source(module):
+    if module is None:
+        return None
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return None
+
+
+def _predates_moe_lora(*modules):
+    """True when every given fused-MoE module's source is readable and none names the MoE-LoRA context; False
+    when one does, or when a source cannot be read (then nobody can tell: drift, the safe answer)."""
+    texts = [_module_source(m) for m in modules if m is not None]
+    if not texts or any(t is None for t in texts):
+        return False
+    return not any(marker in t for t in texts for marker in _MOE_LORA_MARKERS)
+
+
 def _gates_on_lora_tokens(func):
     """Does ``func`` itself decide on the batch's LoRA tokens (``has_lora(...)`` / ``.no_lora``)?"""
     text = _source(func)
@@ -341,6 +377,10 @@ def apply(ctx):
         ctx.describe("moe_mlp.unquant_apply_mlp(lora_context=...) (fallback: no runner method matched)")
         ctx.replace(mlp, "unquant_apply_mlp", make_arg_skip)
         return
+    if _predates_moe_lora(ctx.module, mlp):
+        ctx.not_affected("no MoE-LoRA context in vllm_ascend.ops.fused_moe (no lora_context, moe_lora_apply, "
+                         "punica_wrapper): it predates the MoE-LoRA branch (vllm-ascend #10977, first released "
+                         "in 0.23.0rc1)")
     ctx.drift("no runner method matches (AscendMoERunner.no_shared_forward_impl with the context on "
               "routed_experts, AscendFusedMoE.forward_impl(hidden_states, router_logits, return_with_event)) "
               "and moe_mlp.unquant_apply_mlp takes no lora_context")

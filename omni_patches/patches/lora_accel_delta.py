@@ -86,7 +86,7 @@ def apply(ctx):
     call_args = lc.Binder(mixin.load_lora_into_module, skip_first=True)
     prep_args = lc.Binder(ctx.resolve(lc.PREPARE))
 
-    per_call = lc.call_scope(lc.ACCEL, call_args, _resolve_device)
+    per_call = lc.call_scope(ctx, lc.ACCEL, call_args, _resolve_device)
     for name in lc.CLASSMETHODS:
         ctx.wrap("LoraLoaderMixin", name, per_call)
 
@@ -111,7 +111,8 @@ def apply(ctx):
                          device, type(exc).__name__, exc)
                 if on_cpu:
                     call.device = None  # the accelerator misbehaves: the rest of this call stays on CPU
-                return original(*args, **kwargs)
+                return ctx.stock(f"the LoRA delta on the accelerator failed ({type(exc).__name__}): computed on CPU",
+                                 original, args, kwargs)
 
         return _prepare_lora_delta
 

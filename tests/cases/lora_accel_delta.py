@@ -1,5 +1,5 @@
 """Contract case for lora-accel-delta: the real loader.py of each release (tests/support/omni_loader.py)."""
-from support.contract import Case, Env
+from support.contract import Case, Env, Unexpected
 from support.omni_loader import LOADER_RELPATH, loader_sandbox
 
 
@@ -8,6 +8,14 @@ def sandbox(version, **kw):
 
 
 BASE = sandbox("0.28.0")
+
+
+def _no_module():
+    """A load call whose module is not a module: the per-call scope cannot map its parameters; stock's own
+    AttributeError is what the caller gets."""
+    from vllm_omni.diffusion.lora import loader
+
+    return loader.LoraLoaderMixin.load_lora_into_module({}, None)
 META = "vllm_omni-{0}.dist-info/METADATA"
 
 CASE = Case(
@@ -39,6 +47,7 @@ CASE = Case(
         (Env.source_build(sandbox("0.30.0"), META.format("0.30.0"), "0.30.0", "0.19.1rc2.dev1637+g182b75ea8"),
          "skipped:version", "fixed upstream"),
     ],
+    unexpected=[Unexpected(BASE, _no_module, note="module has no named_parameters(prefix)")],
     drifted=[
         (Env.edited("omni-0.28.0-renamed-helper", BASE, LOADER_RELPATH, "def _prepare_lora_delta(",
                     "def _prepare_lora_delta_v2("), "no attribute '_prepare_lora_delta'"),

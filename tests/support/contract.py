@@ -15,6 +15,24 @@ between cases): it applies on every affected version (target imported before act
 after it), applies once (a second activation and a re-fired import hook change nothing), unapplies to
 the identical original objects, skips outside its versions with the expected reason, and reports drift
 -- never applying anything -- when its target changed shape.
+
+**Patches never break the call they wrap.** A wrapper that meets an input it was not built for runs the
+original code and says so once (``ctx.fallback("why")`` / ``ctx.stock("why", wrapped, args, kwargs)``, see
+omni_patches/context.py); it never raises where stock would not. Every case declares at least one such
+input in ``unexpected``::
+
+    def _drive_vllm_param():   # module level in the case file; runs in the contract child
+        from vllm_omni.diffusion.lora import loader
+        ...build fresh inputs the wrapper was not built for, call the wrapped function through its
+        module (so the patched object is the one called), return what it returned (tensors are fine)...
+
+    unexpected=[Unexpected(Env("omni-0.28.0", ...), _drive_vllm_param, note="not a plain tensor")]
+
+The child imports the targets, runs ``drive()`` unpatched (stock), activates the shim (the patch must be
+``applied``), runs it twice more patched, and checks: the same outcome as stock (the same return value,
+compared by :func:`support.contract_child.fingerprint` -- tensors by dtype, shape and bytes -- or by
+``same(stock, patched)``; or the same exception type and message), and ``note`` in the patch's ``status``
+reason, exactly once. ``drive`` must build fresh inputs on every call (it runs three times).
 """
 from __future__ import annotations
 
@@ -83,6 +101,22 @@ class Case:
     # (Env, expected state, reason substring): the files of a release installed as a source build. The gate
     # ignores such versions (see omni_patches.versions.source_build): the patch's feature checks decide.
     source_built: list = field(default_factory=list)
+    # Unexpected(...) inputs: the wrapper runs the original code, gives stock's outcome, notes it once.
+    unexpected: list = field(default_factory=list)
+
+
+@dataclass
+class Unexpected:
+    """An input a patch's wrapper was not built for (see the module docstring)."""
+
+    env: Env
+    drive: Callable[[], object]  # module-level function of the case file: fresh inputs, calls the wrapped code
+    note: str  # substring the patched run's status reason must show once (from ctx.fallback)
+    same: Callable | None = None  # (stock result, patched result) -> bool; default: equal fingerprints
+
+    @property
+    def label(self):
+        return f"{self.env.label}-{getattr(self.drive, '__name__', 'drive').lstrip('_')}"
 
 
 def run_child(case_module: str, kind: str, index: int, timeout: int = 600) -> dict:

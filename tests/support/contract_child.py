@@ -1,4 +1,5 @@
 """One contract check in a fresh interpreter: ``python -m support.contract_child <case> <kind> <index>``."""
+import hashlib
 import importlib
 import json
 import os
@@ -42,6 +43,58 @@ def _status(pid):
     return {s.id: s for s in omni_patches.status()}[pid]
 
 
+def fingerprint(value):
+    """A comparable, JSON-able form of a drive's result: tensors by dtype, shape and bytes."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+        return ["tensor", type(value).__name__, str(t.dtype), list(t.shape),
+                hashlib.sha256(bytes(data.tolist())).hexdigest()]
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [fingerprint(v) for v in value]]
+    if isinstance(value, dict):
+        return ["dict", sorted([repr(k), fingerprint(v)] for k, v in value.items())]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return ["object", type(value).__qualname__, repr(value)]
+
+
+def _outcome(drive):
+    """``("returned", result)`` or ``("raised", "Type: message")``."""
+    try:
+        return "returned", drive()
+    except Exception as exc:
+        return "raised", f"{type(exc).__name__}: {exc}"
+
+
+def _unexpected(case, index, report):
+    """Stock's outcome first, then patched (twice): the same outcome, and the fallback noted once."""
+    item = case.unexpected[index]
+    mods, missing = _import_targets(registry.load().specs[case.patch_id], item.env)
+    assert mods, f"none of the targets imports in {item.env.label}: {missing}"
+    stock = _outcome(item.drive)
+    assert omni_patches.activate() is True
+    st = _status(case.patch_id)
+    assert st.state == "applied", f"the unexpected input needs the patch applied: {st.state}: {st.reason}"
+    patched = [_outcome(item.drive) for _ in range(2)]
+    report.update(stock=[stock[0], fingerprint(stock[1]) if stock[0] == "returned" else stock[1]])
+    for kind, value in patched:
+        assert kind == stock[0], f"stock {stock[0]} {stock[1] if stock[0] == 'raised' else ''}; patched {kind} " \
+                                 f"{value if kind == 'raised' else ''}"
+        if kind == "raised":
+            assert value == stock[1], f"stock raised {stock[1]!r}, patched raised {value!r}"
+        elif item.same is not None:
+            assert item.same(stock[1], value), "patched result differs from stock's (case's own comparison)"
+        else:
+            assert fingerprint(value) == fingerprint(stock[1]), \
+                f"patched result differs from stock's: {fingerprint(value)} vs {fingerprint(stock[1])}"
+    reason = _status(case.patch_id).reason
+    report.update(reason=reason)
+    assert item.note in reason, f"{item.note!r} not noted in status: {reason!r}"
+    assert reason.count(item.note) == 1, f"{item.note!r} noted {reason.count(item.note)} times: {reason!r}"
+
+
 def main(case_module, kind, index):
     asked = kind
     case = importlib.import_module(f"cases.{case_module}").CASE
@@ -54,6 +107,8 @@ def main(case_module, kind, index):
         env, expect_state, reason_part = case.skipped[index]
     elif kind == "drifted":
         (env, reason_part), expect_state = case.drifted[index], "drifted"
+    elif kind == "unexpected":
+        env, expect_state, reason_part = case.unexpected[index].env, "applied", ""
     elif kind == "source":
         env, expect_state, reason_part = case.source_built[index]
         if expect_state == "applied":
@@ -64,6 +119,12 @@ def main(case_module, kind, index):
     os.environ.update(env.env)
     os.environ["OMNI_PATCHES"] = "1"
     report = {"patch": case.patch_id, "kind": asked, "env": env.label}
+
+    if kind == "unexpected":
+        _unexpected(case, index, report)
+        report["ok"] = True
+        print("CONTRACT " + json.dumps(report))
+        return
 
     if kind == "lazy":
         assert omni_patches.activate() is True

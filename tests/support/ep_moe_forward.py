@@ -70,12 +70,16 @@ def cpu_variable_collectives(calls: list):
 
     comm_cls = resolve_obj_by_qualname(current_platform.get_device_communicator_cls())
 
+    # The size checks CUDA's communicator makes (cuda_communicator.py, vLLM 0.24.0: all_gatherv 446-448,
+    # reduce_scatterv 353-354), so a layout error fails here as it does there, instead of slicing wrong rows.
     def all_gatherv(self, input_, dim=0, sizes=None):
         assert dim == 0 and sizes is not None
         calls.append({"op": "all_gatherv", "ranks": dist.get_process_group_ranks(self.device_group),
                       "sizes": list(sizes)})
+        assert len(sizes) == self.world_size, f"{len(sizes)} == {self.world_size}"
         out = []
         for t in input_ if isinstance(input_, list) else [input_]:
+            assert t.shape[0] == sizes[self.rank_in_group], f"{t.shape[0]} != {sizes[self.rank_in_group]}"
             padded = torch.zeros((max(sizes),) + tuple(t.shape[1:]), dtype=t.dtype)
             padded[: t.shape[0]] = t
             parts = [torch.empty_like(padded) for _ in sizes]
@@ -87,6 +91,8 @@ def cpu_variable_collectives(calls: list):
         assert dim == 0 and sizes is not None
         calls.append({"op": "reduce_scatterv", "ranks": dist.get_process_group_ranks(self.device_group),
                       "sizes": list(sizes)})
+        assert len(sizes) == self.world_size, f"{len(sizes)} == {self.world_size}"
+        assert input_.shape[0] == sum(sizes), f"reduce_scatterv: {input_.shape[0]} rows against sizes {list(sizes)}"
         total = input_.clone()
         dist.all_reduce(total, group=self.device_group)
         me = dist.get_rank(group=self.device_group)

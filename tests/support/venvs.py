@@ -28,16 +28,40 @@ def clean_env(**extra) -> dict:
     return env
 
 
-def make_venv(path: Path, *, editable: bool = False) -> Path:
-    """Create ``path`` as a venv and pip-install this project into it. Returns the venv's python."""
+def make_venv(path: Path, *, editable: bool = False, project: Path = ROOT, no_deps: bool = False,
+              also: tuple = ()) -> Path:
+    """Create ``path`` as a venv and pip-install ``project`` (this checkout) into it. Returns the venv's python.
+
+    ``no_deps`` leaves omni-patches' dependencies out (``also`` names the ones to install after all): an
+    environment where one is missing, as an operator's broken image has it.
+    """
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     python = path / "bin" / "python"
     cmd = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    cmd += ["-e", str(ROOT)] if editable else [str(ROOT)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env())
-    if proc.returncode != 0:
-        raise RuntimeError(f"pip install into {path} failed:\n{proc.stdout}\n{proc.stderr}")
+    cmd += ["--no-deps"] if no_deps else []
+    cmd += ["-e", str(project)] if editable else [str(project)]
+    pip(python, cmd[3:], path)
+    if also:
+        pip(python, ["install", "-q", "--disable-pip-version-check", *also], path)
     return python
+
+
+def pip(python: Path, args, where) -> None:
+    proc = subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True, env=clean_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip {' '.join(map(str, args))} for {where} failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def project_copy(dest: Path) -> Path:
+    """The files ``pip install`` needs from this checkout, copied to ``dest`` (an install that can be moved)."""
+    import shutil
+
+    dest.mkdir(parents=True)
+    for name in ("setup.py", "setup.cfg", "pyproject.toml", "patches.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "omni_patches", dest / "omni_patches",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "patches.toml"))
+    return dest
 
 
 def site_packages(python: Path) -> Path:

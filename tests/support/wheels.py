@@ -1,8 +1,9 @@
 """Fetch real upstream distributions from PyPI once and cache them for every test run.
 
-Nothing here installs or imports the upstream code: it downloads the wheel/sdist with
-``pip download --no-deps`` and unpacks it into a cache directory, so tests can load
-single real files (``loader.py``, ``parallel_state.py`` ...) next to small stubs.
+Nothing here imports the upstream code: a wheel is installed ``--no-deps --target`` by uv into a cache
+directory (its files hard-linked from the uv cache the stack venvs share, see ``stacks.py``); an sdist is
+downloaded (from the index directly: pip cannot build their metadata) and extracted. Tests then load single
+real files (``loader.py``, ``parallel_state.py`` ...) next to small stubs.
 
 Cache root: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
 """
@@ -108,8 +109,36 @@ def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | 
         return dest / found[0].name
 
 
+def _uv_target(dist: str, version: str, out: Path, extra_env: dict | None) -> None:
+    """Install the wheel of ``dist==version`` (no dependencies, never built from source) into ``out`` with uv:
+    its files are hard-linked from the uv cache the stack venvs use, so a release held by a stack venv and
+    unpacked here is stored once, and no archive is kept."""
+    from .stacks import uv_command, uv_env
+
+    cmd = [*uv_command(), "pip", "install", "--quiet", "--no-deps", "--no-build", "--prerelease", "allow",
+           "--python", sys.executable, "--target", str(out), f"{dist}=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**uv_env(), **(extra_env or {})})
+    if proc.returncode != 0:
+        raise RuntimeError(f"fetching the wheel of {dist}=={version} failed:\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+
+
 def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
     """Return a directory holding the unpacked files of ``dist==version`` (wheel root, or sdist top dir)."""
+    if not sdist:
+        out = CACHE / "unpacked" / f"{dist}-{version}-wheel"
+        with _locked("unpack-" + out.name):
+            if not (out / ".complete").exists():
+                tmp = out.with_name(out.name + ".part")
+                shutil.rmtree(tmp, ignore_errors=True)
+                _uv_target(dist, version, tmp, extra_env)
+                (tmp / ".complete").touch()
+                shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+                # The zip-unpacked tree an earlier layout of this cache kept: superseded.
+                for old in (CACHE / "unpacked").glob(f"{dist.replace('-', '_')}-{version}-*.whl"):
+                    shutil.rmtree(old, ignore_errors=True)
+        return out
     archive = download(dist, version, sdist=sdist, extra_env=extra_env)
     out = CACHE / "unpacked" / archive.name
     with _locked("unpack-" + archive.name):
@@ -121,12 +150,14 @@ def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | 
                     zf.extractall(out)
             else:
                 with tarfile.open(archive) as tf:
-                    tf.extractall(out, filter="data")
+                    if hasattr(tarfile, "data_filter"):
+                        tf.extractall(out, filter="data")
+                    else:  # Python < 3.10.12 / 3.11.4: no filters; an sdist needs its regular files only
+                        tf.extractall(out, [m for m in tf.getmembers() if m.isfile() and not m.name.startswith("/")
+                                            and ".." not in m.name.split("/")])
             (out / ".complete").touch()
-    if sdist:
-        tops = [p for p in out.iterdir() if p.is_dir()]
-        return tops[0] if len(tops) == 1 else out
-    return out
+    tops = [p for p in out.iterdir() if p.is_dir()]
+    return tops[0] if len(tops) == 1 else out
 
 
 def real_file(dist: str, version: str, relpath: str, **kw) -> Path:

