@@ -11,7 +11,7 @@ import pytest
 from omni_patches import audit, cli, registry
 from support import wheels
 from support.venvs import without_switches
-from support.fakes import FAKE_LOADER, entry, fake_omni
+from support.fakes import FAKE_LOADER, entry, fake_omni, zip_dir as _zip_dir
 
 APPLY, FIXED, OUT, ABSENT, DRIFTED = (audit.WOULD_APPLY, audit.FIXED, audit.OUT_OF_RANGE, audit.ABSENT,
                                       audit.DRIFTED)
@@ -91,12 +91,6 @@ def test_fake_dist_never_runs_upstream_code(fake, capsys, tmp_path):
     assert got["fake-double"]["verdict"] == APPLY and rc == 0
 
 
-def _zip_dir(site, path):
-    with zipfile.ZipFile(path, "w") as zf:
-        for f in sorted(site.rglob("*")):
-            if f.is_file():
-                zf.write(f, f.relative_to(site).as_posix())
-    return path
 
 
 def test_fake_wheel_and_pip_download_path(fake, capsys, tmp_path, monkeypatch):

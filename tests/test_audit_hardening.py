@@ -11,14 +11,13 @@ import sys
 import tarfile
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from omni_patches import audit, cli, engine
 from support import wheels
-from support.fakes import FAKE_LOADER, entry, fake_omni, write_dist_info
+from support.fakes import FAKE_LOADER, entry, fake_omni, write_dist_info, zip_dir as _zip_dir
 from support.venvs import without_switches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,12 +38,6 @@ def _cli(*argv, env=None, timeout=300):
                           text=True, cwd=ROOT, env=env or without_switches(), timeout=timeout)
 
 
-def _zip_dir(site, path):
-    with zipfile.ZipFile(path, "w") as zf:
-        for f in sorted(site.rglob("*")):
-            if f.is_file():
-                zf.write(f, f.relative_to(site).as_posix())
-    return path
 
 
 def _fake_wheel(tmp_path, folder, loader=FAKE_LOADER, version="0.28.0"):

@@ -101,3 +101,14 @@ def entry(pid="fake-double", **over):
     }
     base.update(over)
     return base
+
+
+def zip_dir(site, path):
+    """``path``: a zip (a wheel) of every file under ``site``, stored by its relative name."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf:
+        for f in sorted(site.rglob("*")):
+            if f.is_file():
+                zf.write(f, f.relative_to(site).as_posix())
+    return path

@@ -25,7 +25,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -33,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from .stacks import install_project, stack_python
-from .wheels import CACHE, _locked
+from .wheels import CACHE, _locked, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
@@ -131,19 +130,7 @@ def _plugin_files(target: Path) -> None:
 
 def _cached_dir(name: str, recipe: str, fill) -> Path:
     """``SERVING/<name>-<sha256(recipe)[:12]>``, filled once by ``fill(tmp)`` and renamed into place."""
-    dst = SERVING / f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-    if (dst / ".complete").exists():
-        return dst
-    with _locked(f"serving-{dst.name}"):
-        if not (dst / ".complete").exists():
-            tmp = dst.with_name(dst.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            fill(tmp)
-            (tmp / ".complete").touch()
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp.rename(dst)
-    return dst
+    return sandbox(name, recipe, fill, root=SERVING)
 
 
 def extras_dir(omni: str) -> Path:

@@ -37,12 +37,14 @@ def _locked(name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def sandbox(label: str, recipe: str, fill) -> Path:
-    """``CACHE/sandboxes/<label>-<sha256(recipe)[:12]>``, filled once by ``fill(tmp_dir)`` and renamed into place:
-    a build that failed or was interrupted is never taken for a finished one."""
+def sandbox(label: str, recipe: str, fill, *, root: Path | None = None) -> Path:
+    """``CACHE/sandboxes/<label>-<sha256(recipe)[:12]>`` (or under ``root``), filled once by ``fill(tmp_dir)`` and
+    renamed into place: a build that failed or was interrupted is never taken for a finished one."""
     import hashlib
 
-    dst = CACHE / "sandboxes" / f"{label}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    dst = (root or CACHE / "sandboxes") / f"{label}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    if (dst / ".complete").exists():
+        return dst
     with _locked(f"sandbox-{dst.name}"):
         if not (dst / ".complete").exists():
             tmp = dst.with_name(dst.name + ".part")
