@@ -385,3 +385,4 @@ def test_every_server_stopped_and_left_nothing_behind(run):
         assert stopped, s.name
         assert stopped["remaining"] == [] and stopped["shm_left"] == [], (s.name, stopped)
         assert s.proc.poll() is not None, s.name
+        assert not s.tmpdir.exists(), (s.name, "its temp directory (zmq IPC sockets) is left")

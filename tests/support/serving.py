@@ -248,6 +248,9 @@ class Server:
         self.state_dir = self.workdir / "state"
         self.state_dir.mkdir(exist_ok=True)
         self.log_path = self.workdir / "server.log"
+        # vLLM and vllm-omni put their zmq IPC sockets into the temp directory and leave them when killed: the
+        # server gets its own (short: a unix socket path has 107 bytes), removed by stop().
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="omni-srv-"))
         self.proc = None
         self.port = None
         self.started_at = self.healthy_after = None
@@ -267,7 +270,7 @@ class Server:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(SERVING / "hf-home"),
             "VLLM_CACHE_ROOT": str(SERVING / "vllm-cache"), "VLLM_CONFIG_ROOT": str(self.workdir / "vllm-config"),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_LOGGING_LEVEL": "INFO",
+            "VLLM_LOGGING_LEVEL": "INFO", "TMPDIR": str(self.tmpdir),
         })
         if self.shim:
             env["OMNI_PATCHES"] = "1"
@@ -396,6 +399,7 @@ class Server:
                     os.unlink(path)
                     shm_removed.append(path)
         self._log.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.stopped = {"exited_within_grace": exited, "seconds": round(seconds, 2), "killed": killed,
                         "shm_removed": shm_removed, "returncode": self.proc.returncode,
                         "remaining": self._live(), "shm_left": sorted(p for p in self._shm if os.path.exists(p))}
