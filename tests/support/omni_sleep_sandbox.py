@@ -29,41 +29,10 @@ DATA = "vllm_omni/diffusion/data.py"
 DATA_CLASSES = ("OmniACK", "OmniSleepTask", "OmniWakeTask", "CuMemTag")
 TARGET = "vllm_omni.entrypoints.async_omni"
 
-_AUTO = '''"""Permissive stand-in modules (omni-patches sleep sandbox): any attribute exists."""
-import sys
-import types
-from unittest.mock import MagicMock
-
-
-class _Meta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = MagicMock(name=f"{cls.__qualname__}.{name}")
-        type.__setattr__(cls, name, value)
-        return value
-
-
-class _Base(metaclass=_Meta):
-    def __init__(self, *args, **kwargs):
-        pass
-
-
-class _Auto(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper() and not name.isupper():
-            value = _Meta(name, (_Base,), {"__module__": self.__name__, "__qualname__": name})
-        else:
-            value = MagicMock(name=f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-
-def install(name):
-    sys.modules[name].__class__ = _Auto
-'''
+# The project's one permissive stand-in (support/automods.py), written into the sandbox as a module of its own,
+# plus the hook the generated files call to turn an imported module permissive.
+_AUTO = (Path(__file__).with_name("automods.py").read_text()
+         + "\n\ndef install(name):\n    import sys\n\n    sys.modules[name].__class__ = AutoModule\n")
 
 
 def _imported(text: str) -> set[str]:
