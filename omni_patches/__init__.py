@@ -20,7 +20,7 @@ def activate(*, force: bool = False, source: str = "api"):
 
 def status():
     """Return one :class:`omni_patches.records.PatchStatus` per registry entry."""
-    from .engine import status as _status
+    from .reports import status as _status
 
     return _status()
 

@@ -6,7 +6,8 @@ import os
 import sys
 import time
 
-from . import __version__, engine, flags
+from . import __version__, engine, envcheck, flags, reports
+from .states import State
 
 
 def _requires(st):
@@ -48,7 +49,7 @@ def _environment():
     from . import registry
 
     reg = registry.load()
-    return list(reg.errors), engine.environment_problems(reg)
+    return list(reg.errors), envcheck.environment_problems(reg)
 
 
 def _skipped(state):
@@ -69,7 +70,7 @@ def _gone_hint(shown, use_ray):
 
 def _empty_view(directory, where, hidden, problems, leftovers):
     """Nothing to list: tell "nothing ever recorded here" (exit 1) from "they all exited or were pruned" (0)."""
-    from . import proof
+    from . import fleet
 
     suffix = f"; {hidden} record(s) of dead processes hidden (--all shows them)" if hidden else ""
     if problems:
@@ -79,7 +80,7 @@ def _empty_view(directory, where, hidden, problems, leftovers):
         print(f"no process has ever recorded itself in {where} (is OMNI_PATCHES=1 set in the serving "
               "processes, and OMNI_PATCHES_STATE_DIR the same here?)" + suffix)
         return 1
-    pruned = proof.last_prune(directory)
+    pruned = fleet.last_prune(directory)
     how = (f"; `--prune` removed the last {pruned['removed']} record(s) of dead processes at "
            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(pruned['time']))}") if pruned else ""
     print(f"no process is recorded in {where} now: the processes that recorded here have exited (a clean exit "
@@ -97,19 +98,19 @@ def cmd_all_processes(args):
     Exit: 0 listed (or nothing left after clean exits / a prune), 1 nothing ever recorded here, 2 the records
     could not be read (state directory, Ray cluster).
     """
-    from . import proof
+    from . import fleet, proof
 
     directory = args.state_dir or proof.state_dir()
     use_ray = getattr(args, "ray", None) is not None
-    address = proof.ray_address(args.ray or None) if use_ray else None
+    address = fleet.ray_address(args.ray or None) if use_ray else None
     cluster = None
     problems = []
     try:
-        records = proof.collect(directory, problems)
+        records = fleet.collect(directory, problems)
         if use_ray:
-            cluster = proof._Cluster(address)
-            records = proof.merge_local(proof.collect_ray(cluster=cluster), records)
-    except proof.RayUnavailable as exc:
+            cluster = fleet.Cluster(address)
+            records = fleet.merge_local(fleet.collect_ray(cluster=cluster), records)
+    except fleet.RayUnavailable as exc:
         print(f"status --ray: {exc}", file=sys.stderr)
         if args.json:  # a script reading stdout gets a document either way
             json.dump({"omni_patches": __version__, "mode": "status --prune" if getattr(args, "prune", False) else
@@ -122,15 +123,15 @@ def cmd_all_processes(args):
     where = f"Ray cluster {cluster.address} (+ this host's {directory})" if use_ray else directory
     if getattr(args, "prune", False):
         more = []
-        removed = proof.prune(directory, more)
+        removed = fleet.prune(directory, more)
         for problem in more:
             if problem not in problems:
                 problems.append(problem)
                 print(f"status --prune: {problem}", file=sys.stderr)
         elsewhere = []
         if use_ray:
-            removed += proof.prune_ray(records, cluster=cluster)
-            here = proof._boot("boot_id")
+            removed += fleet.prune_ray(records, cluster=cluster)
+            here = proof.boot("boot_id")
             elsewhere = sorted({r.get("node_ip") or r.get("host") or "?" for r in records
                                 if r.get("source") == "ray" and r.get("status") == "gone" and r.get("boot_id") != here})
         note = (f"their nodes ({', '.join(elsewhere)}) keep their own local record files: run "
@@ -149,10 +150,10 @@ def cmd_all_processes(args):
             if note:
                 print(note)
         return 2 if problems else 0
-    shown = proof.visible(records, show_all=getattr(args, "all", False))
+    shown = fleet.visible(records, show_all=getattr(args, "all", False))
     hidden = len(records) - len(shown)
-    instances = proof.instances(shown)
-    leftovers = proof.leftovers(directory)
+    instances = fleet.instances(shown)
+    leftovers = fleet.leftovers(directory)
     if args.json:
         json.dump({"omni_patches": __version__, "mode": "status --all-processes", "state_dir": directory,
                    "ray": cluster.address if use_ray else None, "hidden": hidden, "problems": problems,
@@ -190,7 +191,7 @@ def cmd_all_processes(args):
             first = (r.get("pid"), r.get("pgid") if r.get("pgid") is not None else "-", *common[1:])
         patches = r.get("patches", {})
         updated = time.strftime("%H:%M:%S", time.localtime(r["updated"])) if r.get("updated") else "-"
-        states = ["inactive"] * len(ids) if r.get("inactive") else [patches.get(i, {}).get("state", "-") for i in ids]
+        states = [State.INACTIVE] * len(ids) if r.get("inactive") else [patches.get(i, {}).get("state", "-") for i in ids]
         rows.append((*first, r["status"], updated, *states))
     print(f"processes recorded in {where}")
     print(_table(rows, (*head, "process", "recorded", *ids)))
@@ -257,36 +258,37 @@ def _add_all_processes_arguments(p):
 def cmd_status(args):
     if getattr(args, "all_processes", False):
         return cmd_all_processes(args)
-    records = engine.status()
+    records = reports.status()
     errors, env_problems = _environment()
     header = None
     if not engine.is_active():
-        header = (f"omni-patches is {engine.inactive_reason()}.\nEvery state is 'inactive'; the reasons say what a "
+        header = (f"omni-patches is {reports.inactive_reason()}.\nEvery state is 'inactive'; the reasons say what a "
                   f"process started with {flags.MASTER}=1 in this environment would do.")
         if not args.json:  # the header says why once; each row keeps the prediction
-            records = [dataclasses.replace(r, reason=r.reason.partition(engine.INACTIVE_SEP)[2] or r.reason)
+            records = [dataclasses.replace(r, reason=f"{r.would} ({r.would_reason})") if r.would else r
                        for r in records]
     _print(records, args.json, "status", errors, env_problems, header)
-    return 1 if any(r.state == "failed" for r in records) else 0
+    return 1 if any(r.state is State.FAILED for r in records) else 0
 
 
 def cmd_doctor(args):
     if not args.json:
         print("doctor: importing every target and dry-running each patch's checks (nothing is wrapped)")
-    records = engine.doctor()
+    records = reports.doctor()
     errors, env_problems = _environment()
     _print(records, args.json, "doctor", errors, env_problems)
-    bad = [r for r in records if r.enabled and (r.state in ("drifted", "failed") or r.warnings)]
+    bad = [r for r in records if r.enabled and (r.state in (State.DRIFTED, State.FAILED) or r.warnings)]
     return 1 if bad or errors else 0
 
 
 def cmd_audit(args):
-    """``omni-patches audit``: exit codes as :data:`omni_patches.audit.EXIT_CODES` (one meaning each)."""
+    """``omni-patches audit``: exit codes as :data:`omni_patches.tools.audit.EXIT_CODES` (one meaning each)."""
     import time
     import traceback
     import warnings
 
-    from . import audit, gates, registry
+    from . import gates, registry
+    from .tools import audit
 
     started = time.perf_counter()
     blocks, latest = [], None
@@ -410,7 +412,7 @@ def _main(argv=None):
         p.set_defaults(func=func)
         if name == "status":
             _add_all_processes_arguments(p)
-    from .audit import DEFAULT_FETCH_TIMEOUT, DEFAULT_LATEST, EXIT_CODES
+    from .tools.audit import DEFAULT_FETCH_TIMEOUT, DEFAULT_LATEST, EXIT_CODES
 
     p = sub.add_parser("audit", help="what every patch would do with other versions, read from their wheels "
                                      "without installing them; non-zero if an enabled patch would drift",

@@ -3,53 +3,12 @@
 A patch module defines ``apply(ctx)`` and optionally ``check(ctx)``. Both run once per imported target
 (``ctx.target`` says which). Everything a patch changes must go through ``ctx.wrap`` / ``ctx.replace`` /
 ``ctx.on_undo`` so that it is idempotent, can be undone, and can be dry-run by ``omni-patches doctor``.
+What a wrapper learns at call time (notes, fallbacks, counters, objects to restore) goes on ``ctx.run``, the
+patch's record for this activation (:class:`omni_patches.runs.PatchRun`), never in module globals.
 """
 import inspect
 
 from . import versions, wrapping
-
-# Distinct fallback reasons noted per patch (ctx.fallback); more are logged once each but not listed.
-MAX_FALLBACK_NOTES = 8
-_fallbacks = {}  # patch id -> (engine state, reasons noted so far in it)
-
-
-def note(patch_id, text, key=None):
-    """Attach a run-time note to ``patch_id``'s ``status`` (same ``key``: replaced). Never raises."""
-    from . import engine
-
-    try:
-        return engine.note(patch_id, text, key=key)
-    except Exception:  # pragma: no cover - a note must never break the caller
-        return False
-
-
-def fallback(patch_id, reason):
-    """``patch_id``'s wrapper met an input it was not built for and runs the original code instead.
-
-    Noted once per distinct ``reason`` in ``status`` ("ran the original code: <reason>") and logged once
-    (INFO). Keep ``reason`` a fixed text (no per-call values): at most :data:`MAX_FALLBACK_NOTES` reasons are
-    listed per patch. Cheap after the first time, never raises. Returns True the first time ``reason`` is
-    seen in this process.
-    """
-    try:
-        from . import engine, log
-
-        state, seen = _fallbacks.get(patch_id, (None, None))
-        if state is not engine._state:  # a new activation (tests, doctor) starts a new list
-            state, seen = _fallbacks[patch_id] = (engine._state, [])
-        if reason in seen:
-            return False
-        seen.append(reason)
-
-        log.once(20, ("fallback", patch_id, reason), "%s: ran the original code: %s", patch_id, reason)
-        if len(seen) <= MAX_FALLBACK_NOTES:
-            note(patch_id, f"ran the original code: {reason}", key=("fallback", reason))
-        else:
-            note(patch_id, f"ran the original code for {len(seen) - MAX_FALLBACK_NOTES} more kind(s) of input "
-                 "(see the log)", key=("fallback", "more"))
-        return True
-    except Exception:  # pragma: no cover - a note must never break the caller
-        return False
 
 
 class Drift(Exception):
@@ -79,12 +38,17 @@ class _Callback:
 
 
 class PatchContext:
-    def __init__(self, spec, target, module, installed, *, dry_run=False, sink=None):
+    def __init__(self, spec, target, module, installed, run=None, *, dry_run=False, sink=None):
         self.spec = spec
         self.patch_id = spec.id
         self.target = target
         self.module = module
         self.installed = dict(installed)
+        if run is None:  # a context built by hand (a test applying a patch directly): notes go nowhere
+            from .runs import Detached
+
+            run = Detached(spec.id)
+        self.run = run  # the patch's run-time record (omni_patches.runs.PatchRun): keep call-time state there
         self.dry_run = dry_run
         self._sink = sink if sink is not None else []
         self.found = []  # what ctx.describe() said about this target
@@ -147,21 +111,21 @@ class PatchContext:
         raise NotAffected(message)
 
     # -- at call time (used by the installed wrappers) -----------------------------------------
+    # Wrappers keep ``run = ctx.run`` (a closure or functools.partial) and call these on it at call time.
     def note(self, text, key=None):
         """Attach a run-time note to this patch's ``status`` (e.g. which path a call took, once): a note with
-        the same ``key`` (default: the patch id) replaces the previous one."""
-        return note(self.patch_id, text, key)
+        the same ``key`` (default: the patch id) replaces the previous one. See :meth:`PatchRun.note`."""
+        return self.run.note(text, key)
 
     def fallback(self, reason):
         """The rule for every wrapper: one that meets an input it was not built for runs the original code
-        (never raising where stock would not) and calls ``ctx.fallback("why")`` so ``status`` says so, once
-        per reason. Returns True the first time ``reason`` is seen. See :func:`fallback`."""
-        return fallback(self.patch_id, reason)
+        (never raising where stock would not) and calls ``run.fallback("why")`` so ``status`` says so, once
+        per reason. Returns True the first time ``reason`` is seen. See :meth:`PatchRun.fallback`."""
+        return self.run.fallback(reason)
 
     def stock(self, reason, wrapped, args, kwargs):
-        """``ctx.fallback(reason)``, then the original call: ``return ctx.stock("why", wrapped, args, kwargs)``."""
-        fallback(self.patch_id, reason)
-        return wrapped(*args, **kwargs)
+        """``fallback(reason)``, then the original call: ``return run.stock("why", wrapped, args, kwargs)``."""
+        return self.run.stock(reason, wrapped, args, kwargs)
 
     # -- changing the target -------------------------------------------------------------------
     def _owner(self, owner):

@@ -7,7 +7,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from . import flags, versions
-from .records import ABSENT, APPLIED, DISABLED, FAILED, PENDING, VERSION
+from .states import Cause, State
 
 
 def check_spec(spec):
@@ -54,12 +54,13 @@ class Decision:
     """What the gate decided. ``by_features``: "dist X is a source build" texts (the version was not used);
     ``notes``: other facts worth showing (an assumed version)."""
 
-    __slots__ = ("state", "reason", "installed", "enabled", "by_features", "notes", "assumed")
+    __slots__ = ("state", "reason", "cause", "installed", "enabled", "by_features", "notes", "assumed")
 
-    def __init__(self, state, reason, installed, enabled, by_features=(), notes=(), assumed=None):
+    def __init__(self, state, reason, installed, enabled, by_features=(), notes=(), assumed=None, cause=None):
         # installed: the versions the gate used (an assumed one in place of the installed one);
         # assumed: {dist: version really installed} for each dist whose version was assumed.
         self.state, self.reason, self.installed, self.enabled = state, reason, installed, enabled
+        self.cause = cause
         self.by_features, self.notes = list(by_features), list(notes)
         self.assumed = dict(assumed or {})
 
@@ -111,25 +112,25 @@ def decide(spec, *, master=None, environ=os.environ, installed=None):
         installed[dist] = have
     enabled, why = flags.patch_switch(spec.id, spec.default, environ)
 
-    def out(state, reason, by_features=()):
-        return Decision(state, reason, installed, enabled, by_features, notes, really)
+    def out(state, reason, by_features=(), cause=None):
+        return Decision(state, reason, installed, enabled, by_features, notes, really, cause)
 
     if spec.error:
-        return out(FAILED, spec.error)
+        return out(State.FAILED, spec.error)
     problem = check_spec(spec)
     if problem:
-        return out(FAILED, problem)
+        return out(State.FAILED, problem)
     if master is None:
         master = flags.master_enabled(environ)
     if not master:
-        return out(DISABLED, f"{flags.MASTER} is off")
+        return out(State.DISABLED, f"{flags.MASTER} is off", cause=Cause.MASTER_OFF)
     if not enabled:
-        return out(DISABLED, why)
+        return out(State.DISABLED, why, cause=Cause.SWITCHED_OFF)
     by_features = []
     for dist, specifier in spec.requires.items():
         ver = installed[dist]
         if ver is None:
-            return out(ABSENT, f"{dist} is not installed")
+            return out(State.ABSENT, f"{dist} is not installed", cause=Cause.NOT_INSTALLED)
         untrusted = versions.source_build(ver)
         if untrusted and spec.source_builds == "features":
             by_features.append(f"{dist} {ver} {untrusted}")
@@ -139,14 +140,15 @@ def decide(spec, *, master=None, environ=os.environ, installed=None):
         try:
             v = versions.comparable(ver)
         except InvalidVersion:
-            return out(VERSION, f"{dist} {ver} is not a PEP 440 version{hint}")
+            return out(State.VERSION, f"{dist} {ver} is not a PEP 440 version{hint}", cause=Cause.BAD_VERSION)
         fixed = spec.fixed_in.get(dist)
         if fixed and v >= Version(fixed):
-            return out(VERSION, f"fixed upstream in {dist} {fixed} (installed {ver}){hint}")
+            return out(State.VERSION, f"fixed upstream in {dist} {fixed} (installed {ver}){hint}",
+                       cause=Cause.FIXED_UPSTREAM)
         if not in_range(specifier, v):
-            return out(VERSION, f"{dist} {ver} is outside {specifier}{hint}")
+            return out(State.VERSION, f"{dist} {ver} is outside {specifier}{hint}", cause=Cause.OUT_OF_RANGE)
     targets = ", ".join(spec.targets)
-    return out(PENDING, f"applies when {targets} is imported", by_features)
+    return out(State.PENDING, f"applies when {targets} is imported", by_features)
 
 
-__all__ = ["decide", "in_range", "check_spec", "Decision", "APPLIED"]
+__all__ = ["decide", "in_range", "check_spec", "Decision"]

@@ -63,3 +63,24 @@ def once(level, key, msg, *args, **kwargs):
         _seen.add(("text", text))
     get().log(level, msg, *args, **kwargs)
     return True
+
+
+class muted:
+    """``with log.muted():`` nothing is logged, and what ``once`` saw meanwhile is forgotten after (a dry run
+    such as ``omni-patches audit`` logs like a real start would; it reports instead, and leaves no trace)."""
+
+    def __enter__(self):
+        self._seen, self._was = set(_seen), get().disabled
+        get().disabled = True
+        return self
+
+    def __exit__(self, *exc):
+        get().disabled = self._was
+        _seen.clear()
+        _seen.update(self._seen)
+        return False
+
+
+def forget():
+    """Forget every message ``once`` logged (tests: each starts with a clean slate)."""
+    _seen.clear()

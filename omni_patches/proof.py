@@ -91,7 +91,7 @@ def state_dir(environ=os.environ):
     return os.path.join(tempfile.gettempdir(), f"omni-patches-{os.getuid()}")
 
 
-def _writer_dir():
+def writer_dir():
     """The directory this process records into. A relative ``OMNI_PATCHES_STATE_DIR`` is resolved against the
     working directory once, here, and put back into ``os.environ`` absolute: the host may ``os.chdir`` later
     (its record must still be found and removed), and the children it starts must use the same directory."""
@@ -201,15 +201,14 @@ def role(environ=os.environ, info=None):
     return out
 
 
-def _snapshot(state):
+def _patches():
     """``{patch id: {"state", "reason", "targets"}}`` without the engine lock (a forked child may not get it)."""
-    patches = {}
-    for pid, rt in list(state.runtime.items()):
-        patches[pid] = {"state": rt.state, "reason": rt.full_reason(), "targets": list(rt.applied_targets)}
-    return patches
+    from . import engine
+
+    return {pid: rt.view() for pid, rt in engine.snapshot().runs.items()}
 
 
-def _proc_stat(pid):
+def proc_stat(pid):
     """``(state letter, kernel start time in clock ticks after boot)`` of ``pid`` (Linux), else (None, None)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -219,16 +218,16 @@ def _proc_stat(pid):
         return None, None
 
 
-def _start_time(pid):
+def start_time(pid):
     """Kernel start time of ``pid`` in clock ticks after boot (Linux), so a reused pid is not taken for the
     recorded process."""
-    return _proc_stat(pid)[1]
+    return proc_stat(pid)[1]
 
 
 _BOOT = {}
 
 
-def _boot(key):
+def boot(key):
     """``boot_id`` (which boot of which machine) and ``btime`` (boot wall time), read once."""
     if not _BOOT:
         try:
@@ -244,9 +243,9 @@ def _boot(key):
     return _BOOT.get(key)
 
 
-def _started_at(ticks):
+def started_at(ticks):
     """Wall-clock start of a process from its kernel start time (None when unknown)."""
-    btime = _boot("btime")
+    btime = boot("btime")
     if ticks is None or btime is None:
         return None
     try:
@@ -255,7 +254,8 @@ def _started_at(ticks):
         return None
 
 
-def record(state):
+def record():
+    """This process's record: who it is (pid, start time, role, rank, Ray) and what each patch did in it."""
     pid = os.getpid()
     try:
         pgid, sid = os.getpgid(0), os.getsid(0)
@@ -263,12 +263,12 @@ def record(state):
         pgid = sid = None
     from . import __version__
 
-    start = _start_time(pid)
+    start = start_time(pid)
     info = ray_info()
     rec = {"pid": pid, "ppid": os.getppid(), "pgid": pgid, "sid": sid, "start": start,
-           "started": _started_at(start), "updated": time.time(), "host": os.uname().nodename,
-           "boot_id": _boot("boot_id"), "instance": os.environ.get(INSTANCE), "omni_patches": __version__,
-           "python": sys.executable, **role(info=info), "patches": _snapshot(state)}
+           "started": started_at(start), "updated": time.time(), "host": os.uname().nodename,
+           "boot_id": boot("boot_id"), "instance": os.environ.get(INSTANCE), "omni_patches": __version__,
+           "python": sys.executable, **role(info=info), "patches": _patches()}
     if info is not None:
         rec["ray"] = {k: v for k, v in info.items() if k != "worker_mode"}
     return rec
@@ -288,7 +288,7 @@ def write(rec, directory=None):
     import json
     import tempfile
 
-    directory = _own_dir(directory or _writer_dir())
+    directory = _own_dir(directory or writer_dir())
     fd, tmp = tempfile.mkstemp(prefix=f".{rec['pid']}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w") as fh:
@@ -310,7 +310,7 @@ def kv_key(rec):
     return f"{rec.get('instance') or '-'}/{node}/{rec.get('pid')}"
 
 
-def _internal_kv():
+def internal_kv():
     """Ray's internal KV module when this process is connected to a cluster; never imports ray itself."""
     if _ray_worker_module() is None:
         return None
@@ -327,7 +327,7 @@ def publish(rec):
     global _published_key
     if rec.get("ray") is None:
         return False
-    kv = _internal_kv()
+    kv = internal_kv()
     if kv is None:
         return False
     import json
@@ -342,19 +342,19 @@ def _unpublish():
     if _published_key is None or _published_key[0] != os.getpid():
         return
     try:
-        kv = _internal_kv()
+        kv = internal_kv()
         if kv is not None:
             kv._internal_kv_del(_published_key[1], namespace=KV_NAMESPACE)
     except Exception:
         pass
 
 
-def _remove():
+def remove():
     if _written_pid != os.getpid():
         return  # inherited through fork: the parent's record is the parent's business
     _unpublish()
     try:
-        os.unlink(_written_file or os.path.join(_writer_dir(), f"{_written_pid}.json"))
+        os.unlink(_written_file or os.path.join(writer_dir(), f"{_written_pid}.json"))
     except OSError:
         pass
 
@@ -369,7 +369,7 @@ def _remove_at_mp_exit():
         return
     if _mp_finalizer is not None and _mp_finalizer._pid == os.getpid() and _mp_finalizer.still_active():
         return
-    _mp_finalizer = util.Finalize(None, _remove, exitpriority=-1)  # after the children were joined
+    _mp_finalizer = util.Finalize(None, remove, exitpriority=-1)  # after the children were joined
 
 
 def _after_fork_in_child():
@@ -379,37 +379,39 @@ def _after_fork_in_child():
     if state is None or _written_pid is None:
         return
     try:
-        _written_file = write(_inactive_record() if state is _INACTIVE else record(state))
+        _written_file = write(_inactive_record() if state is _INACTIVE else record())
         _written_pid = os.getpid()
         _remove_at_mp_exit()
     except Exception:
         _written_pid = None
 
 
-class _Inactive:
-    """Stands for the engine state in a process recorded as inactive (see :func:`inactive_here`)."""
-
-
-_INACTIVE = _Inactive()
+_ACTIVE, _INACTIVE = "active", "inactive"
 _inactive_reason = None
 
 
+def forget():
+    """Forget that this process recorded anything (tests: each starts as a process that wrote nothing yet).
+    The hooks registered at exit and fork stay: they act on what is recorded next."""
+    global _written_pid, _written_file, _published_key, _logged_pid, _inactive_reason
+    _written_pid = _written_file = _published_key = _logged_pid = _inactive_reason = None
+
+
 def _current_state():
-    engine = sys.modules.get("omni_patches.engine")
-    state = getattr(engine, "_state", None)
-    if state is None and _inactive_reason is not None:
-        return _INACTIVE
-    return state
+    """``_ACTIVE`` (the shim runs here), ``_INACTIVE`` (recorded as inactive, see :func:`inactive_here`) or None."""
+    engine = sys.modules.get("omni_patches.engine")  # never imported for this: a process without it has no record
+    if engine is not None and engine.is_active():
+        return _ACTIVE
+    return _INACTIVE if _inactive_reason is not None else None
 
 
 def refresh():
     """Record this process again (e.g. once vLLM's rank is known). Cheap when nothing applied; never raises."""
     global _written_file
-    state = _current_state()
-    if state is None or state is _INACTIVE or _written_pid != os.getpid():
+    if _current_state() is not _ACTIVE or _written_pid != os.getpid():
         return False
     try:
-        rec = record(state)
+        rec = record()
         _written_file = write(rec)
         _publish_quietly(rec)
         return True
@@ -427,25 +429,25 @@ def _publish_quietly(rec):
                  "`omni-patches status --all-processes --ray` will not list it", type(exc).__name__, exc)
 
 
-def applied(state, patch_id):
+def applied(patch_id):
     """Called by the engine after each successful application. Never raises."""
     global _logged_pid
     from . import log
 
     try:
-        rec = record(state)
+        rec = record()
         if _logged_pid != rec["pid"]:
             _logged_pid = rec["pid"]
             states = ", ".join(f"{k}={v['state']}" for k, v in rec["patches"].items())
             log.get().info("process pid=%s role=%s instance=%s patched by omni-patches %s: %s (state dir %s)",
-                           rec["pid"], rec["role"], rec["instance"], rec["omni_patches"], states, _writer_dir())
+                           rec["pid"], rec["role"], rec["instance"], rec["omni_patches"], states, writer_dir())
         _keep(rec)
         _update_gauge(rec["patches"])
     except Exception:
         log.once(30, ("proof", "error"), "could not record what omni-patches applied", exc_info=True)
 
 
-def started(state):
+def started():
     """Called by the engine once its gates decided (the first vLLM-family import): record this process even
     when no patch applies in it (a driver, a worker where everything is skipped), so ``status --all-processes``
     lists every process of the instance the shim runs in. Never raises."""
@@ -454,7 +456,7 @@ def started(state):
     if _written_pid == os.getpid():
         return
     try:
-        _keep(record(state))
+        _keep(record())
     except Exception:
         log.once(30, ("proof", "error"), "could not record this process", exc_info=True)
 
@@ -463,11 +465,11 @@ def _inactive_record():
     from . import __version__
 
     pid = os.getpid()
-    start = _start_time(pid)
+    start = start_time(pid)
     info = ray_info()
     rec = {"pid": pid, "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0), "start": start,
-           "started": _started_at(start), "updated": time.time(), "host": os.uname().nodename,
-           "boot_id": _boot("boot_id"), "instance": os.environ.get(INSTANCE), "omni_patches": __version__,
+           "started": started_at(start), "updated": time.time(), "host": os.uname().nodename,
+           "boot_id": boot("boot_id"), "instance": os.environ.get(INSTANCE), "omni_patches": __version__,
            "python": sys.executable, **role(info=info), "inactive": _inactive_reason, "patches": {}}
     if info is not None:
         rec["ray"] = {k: v for k, v in info.items() if k != "worker_mode"}
@@ -483,11 +485,11 @@ def inactive_here():
     try:
         if not (os.environ.get(INSTANCE) or "").strip() or _written_pid == os.getpid():
             return False
-        from . import engine
+        from . import engine, reports
 
         if engine.is_active():
             return False  # recorded by started() / applied()
-        _inactive_reason = engine.inactive_reason()
+        _inactive_reason = reports.inactive_reason()
         _keep(_inactive_record())
         return True
     except Exception:
@@ -507,7 +509,7 @@ def _keep(rec):
         if not _atexit_registered:
             import atexit
 
-            atexit.register(_remove)
+            atexit.register(remove)
             _atexit_registered = True
         if not _at_fork_registered and hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -523,7 +525,7 @@ def _keep(rec):
                 _FORK_TOKEN.registered = util
     except OSError as exc:
         log.once(30, ("proof", "write"), "cannot record this process in %s (%s); `omni-patches status "
-                 "--all-processes` will not list it", _writer_dir(), exc)
+                 "--all-processes` will not list it", writer_dir(), exc)
 
 
 def _update_gauge(patches):
@@ -555,396 +557,3 @@ def _register(pc):
         except (ValueError, TypeError):
             continue
     return None
-
-
-# -- reader (``omni-patches status --all-processes``) ---------------------------------------------------
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, belongs to someone else
-    return True
-
-
-def _local_alive(rec):
-    """Whether the recorded process still runs, judged on this machine (only valid on the same boot)."""
-    pid = rec.get("pid")
-    if not (isinstance(pid, int) and pid > 0 and alive(pid)):
-        return False
-    state, start = _proc_stat(pid)
-    if state in ("Z", "X", "x"):
-        return False  # dead, not yet reaped by its parent (a killed worker whose parent has not joined it)
-    if rec.get("start") is not None and start not in (None, rec["start"]):
-        return False  # the pid was reused by another process
-    return True
-
-
-def _status(is_alive):
-    return {True: "running", False: "gone", None: "unknown"}[is_alive]
-
-
-_NUMBERS = ("pid", "ppid", "pgid", "sid", "start", "started", "updated")
-_TEXTS = ("instance", "role", "process_name", "host", "boot_id", "node_ip")
-
-
-def _check(rec):
-    """Why ``rec`` (parsed JSON) is not an omni-patches record, or None. The readers rely on these types."""
-    if not isinstance(rec, dict):
-        return f"not an omni-patches record (a JSON {type(rec).__name__})"
-    if not isinstance(rec.get("pid"), int) or isinstance(rec.get("pid"), bool):
-        return "not an omni-patches record (no integer pid)"
-    for key in _NUMBERS:
-        value = rec.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            return f"not an omni-patches record ({key!r} is a {type(value).__name__}, not a number)"
-    for key in _TEXTS:
-        if rec.get(key) is not None and not isinstance(rec[key], str):
-            return f"not an omni-patches record ({key!r} is a {type(rec[key]).__name__}, not a string)"
-    patches = rec.get("patches", {})
-    if not isinstance(patches, dict) or not all(isinstance(v, dict) for v in patches.values()):
-        return "not an omni-patches record ('patches' is not a mapping of patch id to state)"
-    if any(not isinstance(v.get("state", ""), str) for v in patches.values()):
-        return "not an omni-patches record (a patch state is not a string)"
-    ray = rec.get("ray")
-    if ray is not None and not (isinstance(ray, dict) and all(v is None or isinstance(v, str) for v in ray.values())):
-        return "not an omni-patches record ('ray' is not a mapping of names to strings)"
-    return None
-
-
-def collect(directory=None, problems=None):
-    """Every record in the state directory, each with ``alive`` set. Files that are no record (unparsable,
-    foreign JSON, unreadable) come back as ``unreadable`` entries; a directory that cannot be listed (a file,
-    another user's 0700 directory) adds a line to ``problems``. Never raises over what it reads."""
-    import json
-
-    directory = directory or state_dir()
-    out = []
-    try:
-        names = sorted(os.listdir(directory))
-    except FileNotFoundError:
-        return out
-    except OSError as exc:
-        if problems is not None:
-            problems.append(f"cannot read the state directory {directory}: {exc.strerror or exc}")
-        return out
-    for name in names:
-        if not name.endswith(".json") or name.startswith("."):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            with open(path) as fh:
-                rec = json.load(fh)
-        except FileNotFoundError:
-            continue  # its process exited while we listed
-        except (OSError, ValueError) as exc:
-            out.append({"file": path, "error": str(exc), "alive": False, "status": "unreadable"})
-            continue
-        error = _check(rec)
-        if error:
-            out.append({"file": path, "error": error, "alive": False, "status": "unreadable"})
-            continue
-        rec["file"] = path
-        rec["source"] = "local"
-        rec["alive"] = _local_alive(rec)
-        if rec.get("boot_id") and _boot("boot_id") and rec["boot_id"] != _boot("boot_id"):
-            # Written on another boot: of this machine (its process died with that boot), or of another machine
-            # sharing the directory (its pid says nothing here).
-            rec["alive"] = False if rec.get("host") == os.uname().nodename else None
-        rec["status"] = _status(rec["alive"])
-        out.append(rec)
-    return sorted(out, key=lambda r: (r.get("pgid") or 0, r.get("pid") or 0))
-
-
-def visible(records, show_all=False):
-    """Hide ghosts: records of dead processes older than the live ones of their instance.
-
-    A dead record is hidden when a live process of the same instance started after it was last written (it
-    was replaced: a restarted worker, a respawned engine), or when its instance has no live process left and
-    a live process of another instance started after it (a finished predecessor). A process that died while
-    its instance still runs is shown (as ``gone``): that is news. ``show_all`` shows everything.
-    """
-    if show_all:
-        return list(records)
-    live_starts = {}
-    for r in records:
-        if r.get("status") in ("running", "unknown"):
-            live_starts.setdefault(r.get("instance"), []).append(r.get("started") or r.get("updated") or 0)
-    every_live = [t for ts in live_starts.values() for t in ts]
-    out = []
-    for r in records:
-        if r.get("status") == "gone":
-            mine = live_starts.get(r.get("instance"))
-            newer = mine if mine else every_live
-            if any(t > (r.get("updated") or 0) for t in newer):
-                continue
-        out.append(r)
-    return out
-
-
-def leftovers(directory=None):
-    """Temp files of writers that died mid-write (``.<pid>.*.tmp`` whose pid is dead, a zombie, or now a later
-    process that reused the pid): nothing else ever removes them."""
-    directory = directory or state_dir()
-    out = []
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return out
-    for name in names:
-        if not (name.startswith(".") and name.endswith(".tmp")):
-            continue
-        pid = name[1:].partition(".")[0]
-        if not pid.isdigit():
-            continue
-        path = os.path.join(directory, name)
-        try:
-            mtime = os.stat(path).st_mtime
-        except OSError:
-            continue  # renamed into place (or removed) while we listed
-        started = _started_at(_proc_stat(int(pid))[1])
-        if not _local_alive({"pid": int(pid)}) or (started is not None and started > mtime + 1):
-            out.append(path)
-    return out
-
-
-def _int(value):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def instances(records):
-    """Per instance: the worker count vLLM's parallel layout expects (its world size, recorded by the workers
-    once their parallel state is initialised) next to the ranks found running, and the ranks missing."""
-    out = {}
-    for r in records:
-        if "error" in r:
-            continue
-        info = out.setdefault(r.get("instance") or "-", {"processes": 0, "expected_workers": None, "ranks": set()})
-        info["processes"] += 1
-        size = _int(r.get("world_size"))
-        if size is not None and size > 0 and (info["expected_workers"] or 0) < size:
-            info["expected_workers"] = size
-            for key in ("tp_size", "pp_size", "dp_size"):
-                info[key] = _int(r.get(key))
-        rank = _int(r.get("rank"))
-        if rank is not None and r.get("status") in ("running", "unknown"):
-            info["ranks"].add(rank)
-    for info in out.values():
-        ranks = info.pop("ranks")
-        info["workers_found"] = len(ranks)
-        expected = info["expected_workers"]
-        info["missing_ranks"] = sorted(set(range(expected)) - ranks) if expected else []
-    return out
-
-
-PRUNED = ".pruned"  # in the state directory: when --prune last ran and what it removed (the empty view says so)
-
-
-def prune(directory=None, problems=None):
-    """Remove the records of dead processes, and the temp files of writers killed mid-write, from the state
-    directory. Records that are no omni-patches record are left alone (reported by ``collect``). Returns the
-    files removed; what could not be read or removed goes to ``problems``."""
-    import json
-
-    directory = directory or state_dir()
-    removed = []
-    stale = [rec["file"] for rec in collect(directory, problems) if rec.get("status") == "gone"]
-    for path in stale + leftovers(directory):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if problems is not None:
-                problems.append(f"cannot remove {path}: {exc.strerror or exc}")
-    if removed:
-        try:
-            with open(os.path.join(directory, PRUNED), "w") as fh:
-                json.dump({"time": time.time(), "removed": len(removed)}, fh)
-        except OSError:
-            pass
-    return removed
-
-
-def last_prune(directory=None):
-    """``{"time", "removed"}`` of the last prune that removed something here, else None."""
-    import json
-
-    try:
-        with open(os.path.join(directory or state_dir(), PRUNED)) as fh:
-            got = json.load(fh)
-        return got if isinstance(got, dict) and isinstance(got.get("time"), (int, float)) else None
-    except (OSError, ValueError):
-        return None
-
-
-# -- Ray cluster reader (imports ray: only for ``status --ray``) --------------------------------------------
-class RayUnavailable(RuntimeError):
-    """ray is not importable here, or the cluster cannot be reached."""
-
-
-def ray_address(address=None, environ=os.environ):
-    """The address ``--ray`` connects to: the argument, else ``RAY_ADDRESS``, else ``auto``."""
-    return address or environ.get("RAY_ADDRESS", "").strip() or "auto"
-
-
-class _Cluster:
-    """The few GCS calls the reader needs, over Ray's own GCS client: no driver is registered, and an explicit
-    address is used as given (Ray's address helpers would swap 127.0.0.1 for the machine's interface address)."""
-
-    def __init__(self, address):
-        try:
-            import ray  # noqa: F401
-            from ray._private import services
-            from ray._raylet import GcsClient
-        except ImportError as exc:
-            raise RayUnavailable(f"ray is not importable here ({exc}); run this where ray is installed") from exc
-        try:
-            if address == "auto":  # RAY_ADDRESS, else the cluster this host started last
-                address = services.get_ray_address_from_environment("auto", None)
-            self.address = address
-            self.gcs = GcsClient(address=address)
-        except Exception as exc:
-            raise RayUnavailable(f"cannot reach the Ray cluster at {address!r}: {type(exc).__name__}: {exc}") from exc
-
-    def keys(self):
-        return self.gcs.internal_kv_keys(b"", namespace=KV_NAMESPACE.encode(), timeout=30)
-
-    def get(self, keys):
-        if not keys:
-            return {}
-        return self.gcs.internal_kv_multi_get(list(keys), namespace=KV_NAMESPACE.encode(), timeout=30)
-
-    def delete(self, key):
-        return self.gcs.internal_kv_del(key, False, namespace=KV_NAMESPACE.encode(), timeout=30)
-
-    def nodes(self):
-        """node id (hex) -> {"alive", "ip"}."""
-        out = {}
-        for node_id, info in self.gcs.get_all_node_info(timeout=30).items():
-            key = node_id.hex() if hasattr(node_id, "hex") else str(node_id)
-            out[key] = {"alive": info.state == 0, "ip": info.node_manager_address}  # GcsNodeInfo.ALIVE == 0
-        return out
-
-    def jobs(self):
-        """job id (hex) -> finished?"""
-        out = {}
-        for job_id, info in self.gcs.get_all_job_info(timeout=30).items():
-            key = job_id.hex() if hasattr(job_id, "hex") else str(job_id)
-            out[key] = bool(info.is_dead)
-        return out
-
-    def actors(self):
-        """actor id (hex) -> {"alive", "pid", "name"}; {} when this Ray cannot tell."""
-        call = getattr(self.gcs, "async_get_all_actor_info", None)
-        if call is None:
-            return {}
-        import asyncio
-
-        async def get():
-            return await call(timeout=30)
-
-        out = {}
-        try:
-            table = asyncio.run(get())
-        except Exception:
-            return {}
-        for actor_id, info in table.items():
-            key = actor_id.hex() if hasattr(actor_id, "hex") else str(actor_id)
-            out[key] = {"alive": info.state not in (4,), "pid": info.pid or None, "name": info.name}  # DEAD == 4
-        return out
-
-
-def _ray_alive(rec, nodes, jobs, actors):
-    """running / gone / unknown for a record published by a Ray process, from the cluster's own tables."""
-    info = rec.get("ray") or {}
-    node = nodes.get(info.get("node_id") or "")
-    if node is not None and not node["alive"]:
-        return False
-    if info.get("job_id") and jobs.get(info["job_id"]):
-        return False  # its job finished: Ray ended the job's workers
-    actor = actors.get(info.get("actor_id") or "")
-    if actor is not None:
-        if not actor["alive"]:
-            return False
-        if actor["pid"] and actor["pid"] != rec.get("pid"):
-            return False  # the actor was restarted in another process
-    if rec.get("boot_id") and rec.get("boot_id") == _boot("boot_id"):
-        return _local_alive(rec)  # same machine: the kernel knows
-    if actor is not None:
-        return True
-    return None
-
-
-def collect_ray(address=None, cluster=None):
-    """Every record in the cluster's KV store, each with ``status`` running / gone / unknown and its node."""
-    import json
-
-    cluster = cluster or _Cluster(ray_address(address))
-    try:
-        keys = list(cluster.keys())
-        values = cluster.get(keys)
-        nodes, jobs, actors = cluster.nodes(), cluster.jobs(), cluster.actors()
-    except Exception as exc:
-        raise RayUnavailable(f"reading the Ray cluster at {cluster.address} failed: {type(exc).__name__}: {exc}") \
-            from exc
-    out = []
-    for key in keys:
-        raw = values.get(key)
-        if raw is None:
-            continue  # deleted while we listed
-        skey = key.decode() if isinstance(key, bytes) else str(key)
-        try:
-            rec = json.loads(raw)
-            error = _check(rec)
-        except ValueError as exc:
-            error = str(exc)
-        if error:
-            out.append({"key": skey, "error": error, "alive": False, "status": "unreadable", "source": "ray"})
-            continue
-        rec["key"] = skey
-        rec["source"] = "ray"
-        info = rec.get("ray") or {}
-        node = nodes.get(info.get("node_id") or "")
-        rec["node_ip"] = info.get("node_ip") or (node or {}).get("ip")
-        actor = actors.get(info.get("actor_id") or "")
-        if actor is not None and actor.get("name"):
-            rec["actor_name"] = actor["name"]
-        rec["alive"] = _ray_alive(rec, nodes, jobs, actors)
-        rec["status"] = _status(rec["alive"])
-        out.append(rec)
-    return sorted(out, key=lambda r: (r.get("instance") or "", r.get("node_ip") or "", _rank_key(r), r.get("pid") or 0))
-
-
-def _rank_key(rec):
-    try:
-        return int(rec.get("rank"))
-    except (TypeError, ValueError):
-        return 1 << 30
-
-
-def prune_ray(records, address=None, cluster=None):
-    """Delete the KV entries of the ``gone`` records among ``records``. Returns the keys removed."""
-    cluster = cluster or _Cluster(ray_address(address))
-    removed = []
-    for rec in records:
-        if rec.get("source") == "ray" and rec.get("status") == "gone" and rec.get("key"):
-            cluster.delete(rec["key"].encode())
-            removed.append(rec["key"])
-    return removed
-
-
-def merge_local(ray_records, local_records):
-    """The cluster's records plus this host's local ones that Ray does not hold: those of the same instances,
-    and every live one (the driver / engine core records itself before it connects to Ray, and is the only
-    process of its instance listed when no worker could record itself), and the files that are no record."""
-    instances = {r.get("instance") for r in ray_records if r.get("instance")}
-    seen = {(r.get("boot_id"), r.get("pid")) for r in ray_records}
-    extra = [r for r in local_records if (r.get("boot_id"), r.get("pid")) not in seen
-             and (r.get("instance") in instances or r.get("status") in ("running", "unknown", "unreadable"))]
-    return ray_records + extra

@@ -1,23 +1,15 @@
-"""Typed status records returned by :func:`omni_patches.status` and printed by the CLI."""
+"""The :class:`PatchStatus` that :func:`omni_patches.status` returns and the CLI prints (its state and cause
+are the typed words of :mod:`omni_patches.states`)."""
 from dataclasses import asdict, dataclass, field
 
-APPLIED = "applied"
-PENDING = "pending"
-DISABLED = "skipped:disabled"
-VERSION = "skipped:version"
-ABSENT = "skipped:absent"
-DRIFTED = "drifted"
-FAILED = "failed"
-INACTIVE = "inactive"  # the shim is not active in this process; the reason says why and what it would do
-REVERTED = "reverted"  # applied, but what it installed is no longer in place (its module reloaded): stock runs
-STATES = (APPLIED, PENDING, DISABLED, VERSION, ABSENT, DRIFTED, FAILED, INACTIVE, REVERTED)
+from .states import HARMLESS_CAUSES, STATES, Cause, State  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
 class PatchStatus:
     id: str
     env: str
-    state: str
+    state: State
     reason: str
     summary: str = ""
     default: bool = True
@@ -29,9 +21,15 @@ class PatchStatus:
     applied_targets: tuple = ()
     changed: tuple = ()  # "module.Class.attr" of every attribute the patch replaced in this process
     warnings: tuple = ()  # e.g. a patch this one needs is off or drifted here (doctor exits 1)
+    cause: Cause = None  # why it is skipped (skipped:* states), else None
+    inactive: str = ""  # state inactive: why the shim is off in this process (``reason`` = both parts)
+    would: State = None  # state inactive: what it would be with the shim active, and why (would_reason)
+    would_reason: str = ""
 
     def to_dict(self):
         d = asdict(self)
         for key in ("targets", "applied_targets", "changed", "warnings"):
             d[key] = list(d[key])
+        for key in ("state", "cause", "would"):
+            d[key] = None if d[key] is None else str(d[key])
         return d

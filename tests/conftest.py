@@ -84,7 +84,7 @@ def isolated(monkeypatch):
     hooks = dict(wrapt.importer._post_import_hooks)
     hook_init = wrapt.importer._post_import_hooks_init
     versions.clear_cache()
-    log._seen.clear()
+    log.forget()
     yield
     engine.deactivate()
     for name in set(sys.modules) - mods:
@@ -95,7 +95,7 @@ def isolated(monkeypatch):
     wrapt.importer._post_import_hooks.update(hooks)
     wrapt.importer._post_import_hooks_init = hook_init  # its finder left sys.meta_path with the restore
     versions.clear_cache()
-    log._seen.clear()
+    log.forget()
 
 
 class Shim:

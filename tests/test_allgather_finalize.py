@@ -28,7 +28,8 @@ import types
 
 import pytest
 
-from omni_patches import audit, registry
+from omni_patches import registry
+from omni_patches.tools import audit
 from omni_patches.context import Drift, FixedUpstream, PatchContext
 from omni_patches.patches import ascend_allgather_finalize_order as patch
 from support import ascend_finalize as af

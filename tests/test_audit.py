@@ -8,7 +8,8 @@ import zipfile
 
 import pytest
 
-from omni_patches import audit, cli, registry
+from omni_patches import cli, registry
+from omni_patches.tools import audit
 from support import wheels
 from support.venvs import without_switches
 from support.fakes import FAKE_LOADER, entry, fake_omni, zip_dir as _zip_dir

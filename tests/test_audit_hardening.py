@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_patches import audit, cli, engine
+from omni_patches import cli
+from omni_patches.tools import audit
+from omni_patches.states import Cause
 from support import wheels
 from support.fakes import FAKE_LOADER, entry, fake_omni, write_dist_info, zip_dir as _zip_dir
 from support.venvs import without_switches
@@ -329,7 +331,7 @@ def test_not_affected_at_run_time_is_a_skip_even_in_strict_mode(shim, logs):
     import fakeomni.loader  # noqa: F401  (strict: a Drift here would raise into this import)
 
     st = shim.status()["fake-double"]
-    assert st.state == "skipped:version" and engine.NOT_AFFECTED in st.reason, st
+    assert st.state == "skipped:version" and st.cause is Cause.NOT_AFFECTED, st
     assert any("not affected (predates the bug)" in m for m in logs.messages())
 
 
@@ -397,7 +399,7 @@ def test_silent_index_latest_fails_within_the_fetch_timeout(fake, tmp_path, caps
 
 
 def test_silent_index_bounds_the_index_lookup_too(tmp_path, monkeypatch, silent_index):
-    from omni_patches import index
+    from omni_patches.tools import index
 
     url, _ = silent_index
     started = time.monotonic()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_patches import audit, cli, index
+from omni_patches import cli
+from omni_patches.tools import audit, index
 from support.fakes import FAKE_LOADER, entry, fake_omni
 from support.venvs import without_switches
 

@@ -52,54 +52,60 @@ def test_contract(case_module, kind, index):
     assert report["ok"], report
 
 
-# -- the call-time rule's mechanism (omni_patches.context.fallback), without a target ------------------------------
+# -- the call-time rule's mechanism (PatchRun.fallback, reached as ctx.run), without a target ----------------------
+def _run(patch_id="p"):
+    from omni_patches.gates import Decision
+    from omni_patches.runs import PatchRun
+
+    return PatchRun(patch_id, Decision("applied", "", {}, True))
+
+
 def test_fallback_is_noted_and_logged_once_per_reason(mocker):
-    from omni_patches import context, engine, log
+    from omni_patches import log
 
-    mocker.patch.object(engine, "_state", object())  # one activation
-    note = mocker.patch.object(engine, "note", return_value=True)
+    p, q = _run("p"), _run("q")
     once = mocker.spy(log, "once")
-    assert context.fallback("p", "a weight it was not built for") is True
-    assert context.fallback("p", "a weight it was not built for") is False  # the second time: nothing at all
-    assert context.fallback("q", "a weight it was not built for") is True  # per patch
-    assert note.call_args_list == [
-        mocker.call("p", "ran the original code: a weight it was not built for",
-                    key=("fallback", "a weight it was not built for")),
-        mocker.call("q", "ran the original code: a weight it was not built for",
-                    key=("fallback", "a weight it was not built for"))]
+    assert p.fallback("a weight it was not built for") is True
+    assert p.fallback("a weight it was not built for") is False  # the second time: nothing at all
+    assert q.fallback("a weight it was not built for") is True  # per patch
+    key = ("fallback", "a weight it was not built for")
+    assert p.notes == q.notes == {key: "ran the original code: a weight it was not built for"}
+    assert "ran the original code: a weight it was not built for" in p.full_reason()
     assert once.call_count == 2
-    mocker.patch.object(engine, "_state", object())  # a new activation starts over
-    assert context.fallback("p", "a weight it was not built for") is True
+    assert _run("p").fallback("a weight it was not built for") is True  # a new activation's run starts over
 
 
-def test_fallback_lists_a_bounded_number_of_reasons(mocker):
-    from omni_patches import context, engine
+def test_fallback_lists_a_bounded_number_of_reasons():
+    from omni_patches import runs
 
-    mocker.patch.object(engine, "_state", object())
-    note = mocker.patch.object(engine, "note", return_value=True)
-    for i in range(context.MAX_FALLBACK_NOTES + 3):
-        context.fallback("p", f"reason {i}")
-    keys = {c.kwargs["key"] for c in note.call_args_list}
-    assert len(keys) == context.MAX_FALLBACK_NOTES + 1 and ("fallback", "more") in keys
-    assert note.call_args_list[-1].args[1] == "ran the original code for 3 more kind(s) of input (see the log)"
+    p = _run()
+    for i in range(runs.MAX_FALLBACK_NOTES + 3):
+        p.fallback(f"reason {i}")
+    assert len(p.notes) == runs.MAX_FALLBACK_NOTES + 1 and ("fallback", "more") in p.notes
+    assert p.notes[("fallback", "more")] == "ran the original code for 3 more kind(s) of input (see the log)"
 
 
-def test_ctx_stock_notes_then_runs_the_original_with_its_outcome(mocker):
-    from omni_patches import context, engine
+def test_ctx_stock_notes_then_runs_the_original_with_its_outcome():
     from omni_patches.context import PatchContext
 
-    mocker.patch.object(engine, "_state", object())
-    note = mocker.patch.object(engine, "note", return_value=True)
-    ctx = PatchContext(type("Spec", (), {"id": "p"})(), "t", None, {})
+    run = _run()
+    ctx = PatchContext(type("Spec", (), {"id": "p"})(), "t", None, {}, run)
     assert ctx.stock("why", lambda a, b=0: a + b, (1,), {"b": 2}) == 3
     with pytest.raises(ZeroDivisionError):  # stock's exception, unchanged
         ctx.stock("why", lambda: 1 / 0, (), {})
-    assert note.call_count == 1 and context.fallback("p", "why") is False
+    assert list(run.notes.values()) == ["ran the original code: why"] and run.fallback("why") is False
 
 
 def test_a_note_failure_never_reaches_the_wrapper(mocker):
-    from omni_patches import context, engine
+    from omni_patches import proof
 
-    mocker.patch.object(engine, "_state", object())
-    mocker.patch.object(engine, "note", side_effect=RuntimeError("broken"))
-    context.fallback("p", "x")  # no exception
+    mocker.patch.object(proof, "refresh", side_effect=RuntimeError("broken"))
+    run = _run()
+    assert run.fallback("x") is True  # no exception
+    assert run.note("y") is False
+
+
+def test_counters_count_per_run():
+    p = _run()
+    assert [p.count("sent"), p.count("sent"), p.count("other")] == [1, 2, 1]
+    assert _run().count("sent") == 1

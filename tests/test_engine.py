@@ -178,7 +178,7 @@ def test_overlay_targets_wake_the_shim(shim, monkeypatch):
     overlay = shim.registry(entry(), name="extra.toml")
     shim.env(OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=str(overlay))
     omni_patches.activate()
-    assert "wrapt.importer" not in sys.modules or engine._state.started is False
+    assert "wrapt.importer" not in sys.modules or engine.snapshot().started is False
     import fakeomni.loader
 
     assert fakeomni.loader.compute(3) == 6
@@ -194,10 +194,10 @@ def test_registry_is_not_read_before_a_target_is_imported(shim, monkeypatch):
     real = registry.load
     monkeypatch.setattr(registry, "load", lambda *a, **k: calls.append(a) or real(*a, **k))
     omni_patches.activate()
-    assert calls == [] and engine._state.started is False
+    assert calls == [] and engine.snapshot().started is False
     import fakeomni.loader  # noqa: F401
 
-    assert len(calls) == 1 and engine._state.started is True
+    assert len(calls) == 1 and engine.snapshot().started is True
 
 
 def test_target_already_imported_is_patched_at_once(shim):
@@ -266,8 +266,7 @@ def test_activate_twice_wraps_once(shim):
     assert omni_patches.activate() is False
     import fakeomni.loader
 
-    state = engine._state
-    engine._on_import(state.generation, "fake-double", "fakeomni.loader", fakeomni.loader)
+    engine.reapply(fakeomni.loader)
     assert fakeomni.loader.compute(3) == 6
     assert wrapping.installed_by(vars(fakeomni.loader)["compute"]) == ["fake-double"]
 
@@ -474,7 +473,7 @@ def test_cli_doctor_fails_on_drift(shim, capsys):
 ])
 def test_ray_prefixes_are_extended_not_clobbered(before, after):
     environ = {} if before is None else {engine.RAY_PREFIXES: before}
-    engine._carry_to_ray_workers(environ)
+    engine.carry_to_ray_workers(environ)
     assert environ[engine.RAY_PREFIXES] == after
 
 
@@ -498,7 +497,7 @@ def test_plugin_and_pth_activate_once(shim):
     _bootstrap.pth_hook()
     plugin.register()
     _bootstrap.start()
-    assert engine._state.sources == ["pth", "vllm-plugin", "start"]
+    assert engine.snapshot().sources == ["pth", "vllm-plugin", "start"]
     import fakeomni.loader
 
     assert fakeomni.loader.compute(3) == 6
@@ -531,7 +530,7 @@ def test_log_level_variable(monkeypatch, value, level, warns):
         got.addHandler(handler)
         assert got.level == level
         log._configured = False  # configure again with our handler attached to see the warning
-        log._seen.clear()  # ... which is logged once per process
+        log.forget()  # ... which is logged once per process
         logger.handlers[:] = [handler]
         log.get()
         assert any("is not a logging level" in r.getMessage() for r in records) is warns
@@ -731,11 +730,11 @@ def test_run_time_note_shows_in_status_and_the_process_record(shim, tmp_path):
     _on(shim, entry())
     import fakeomni.loader  # noqa: F401
 
-    assert engine.note("fake-double", "kernel bf16: addmm_ (test)") is True
+    assert engine.run("fake-double").note("kernel bf16: addmm_ (test)") is True
     assert "kernel bf16: addmm_ (test)" in shim.status()["fake-double"].reason
     from omni_patches import proof
 
     with open(os.path.join(proof.state_dir(), f"{os.getpid()}.json")) as fh:
         rec = json.load(fh)
     assert "kernel bf16: addmm_ (test)" in rec["patches"]["fake-double"]["reason"]
-    assert engine.note("no-such-patch", "x") is False
+    assert engine.run("no-such-patch") is None

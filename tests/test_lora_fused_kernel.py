@@ -126,12 +126,12 @@ def probe_says(mocker, addmm_ms, fp32_ms):
 def test_probe_confirms_or_overrules_the_capability(cpu, mocker, text, addmm_ms, fp32_ms, want, probes):
     cpu(text)
     probe = probe_says(mocker, addmm_ms, fp32_ms)
-    note = mocker.patch("omni_patches.engine.note")
-    name, fn = K.kernel_for(torch.bfloat16)
+    note = mocker.Mock(name="run.note")
+    name, fn = K.kernel_for(torch.bfloat16, note=note)
     assert (name, fn) == (want, K.KERNELS[want])
     assert probe.call_args_list == [mocker.call(torch.bfloat16)] * probes
-    (patch_id, text_), kw = note.call_args
-    assert patch_id == "lora-cpu-fused-delta" and kw == {"key": "kernel bf16"}
+    (text_,), kw = note.call_args
+    assert kw == {"key": "kernel bf16"}
     label = "addmm_ in bf16" if want == "addmm" else "fp32 row-blocked"
     assert text_.startswith(f"kernel bf16: {label} (")
     assert f"probe {addmm_ms:.2f} ms addmm_ vs {fp32_ms:.2f} ms fp32 row-blocked" in text_
@@ -143,18 +143,18 @@ def test_a_stalled_probe_round_does_not_take_addmm_away(cpu, mocker):
     cpu(AMD_EPYC)
     probe = mocker.patch.object(K, "probe", side_effect=[{"addmm": 5e-3, "fp32": 0.44e-3},
                                                          {"addmm": 0.11e-3, "fp32": 0.45e-3}])
-    note = mocker.patch("omni_patches.engine.note")
-    assert K.kernel_for(torch.bfloat16)[0] == "addmm"
+    note = mocker.Mock(name="run.note")
+    assert K.kernel_for(torch.bfloat16, note=note)[0] == "addmm"
     assert probe.call_count == 2
-    assert note.call_args[0][1].endswith("probe 0.11 ms addmm_ vs 0.44 ms fp32 row-blocked)")  # best of both
+    assert note.call_args[0][0].endswith("probe 0.11 ms addmm_ vs 0.44 ms fp32 row-blocked)")  # best of both
 
 
 def test_note_text_on_a_cpu_without_native_bf16(cpu, mocker):
     cpu(XEON_CLX)
     probe_says(mocker, 0.45, 0.39)
-    note = mocker.patch("omni_patches.engine.note")
-    K.kernel_for(torch.bfloat16)
-    assert note.call_args[0][1] == ("kernel bf16: fp32 row-blocked (no native bf16: no avx512_bf16/amx_bf16 in "
+    note = mocker.Mock(name="run.note")
+    K.kernel_for(torch.bfloat16, note=note)
+    assert note.call_args[0][0] == ("kernel bf16: fp32 row-blocked (no native bf16: no avx512_bf16/amx_bf16 in "
                                     "cpuinfo; ATen AVX512; probe 0.45 ms addmm_ vs 0.39 ms fp32 row-blocked)")
 
 
@@ -183,21 +183,21 @@ def test_fp32_and_wider_weights_use_addmm_without_a_probe(cpu, mocker, monkeypat
 def test_a_failing_probe_leaves_the_capability_to_decide(cpu, mocker):
     cpu(XEON_CLX)
     mocker.patch.object(K, "probe", side_effect=RuntimeError("no time"))
-    note = mocker.patch("omni_patches.engine.note")
-    assert K.kernel_for(torch.bfloat16)[0] == "fp32"
-    assert note.call_args[0][1].endswith("; probe failed (RuntimeError: no time))")
+    note = mocker.Mock(name="run.note")
+    assert K.kernel_for(torch.bfloat16, note=note)[0] == "fp32"
+    assert note.call_args[0][0].endswith("; probe failed (RuntimeError: no time))")
 
 
 @pytest.mark.parametrize("value,want", [("addmm", "addmm"), ("fp32", "fp32"), (" FP32 ", "fp32")])
 def test_env_override_skips_capability_and_probe(cpu, mocker, monkeypatch, value, want):
     cpu(AMD_EPYC if want == "fp32" else XEON_CLX)  # the opposite of what auto would pick
     probe = probe_says(mocker, 1.0, 1.0)
-    note = mocker.patch("omni_patches.engine.note")
+    note = mocker.Mock(name="run.note")
     monkeypatch.setenv(K.ENV, value)
-    assert K.kernel_for(torch.bfloat16)[0] == want
-    assert K.kernel_for(torch.float16)[0] == want
+    assert K.kernel_for(torch.bfloat16, note=note)[0] == want
+    assert K.kernel_for(torch.float16, note=note)[0] == want
     probe.assert_not_called()
-    assert note.call_args[0][1].endswith(f"({K.ENV}={value})")
+    assert note.call_args[0][0].endswith(f"({K.ENV}={value})")
 
 
 def test_invalid_override_warns_once_and_means_auto(cpu, mocker, monkeypatch, logs):

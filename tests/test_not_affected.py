@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 
-from omni_patches import audit, cli
+from omni_patches import cli
+from omni_patches.tools import audit
 from support import stage_client_sandbox as sandbox
 from support import wheels
 from support.omni_children import run_children

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import omni_patches
-from omni_patches import cli, proof
+from omni_patches import cli, fleet, proof
 from support import proof_child
 from support.fake_gcs import FakeCluster, ray_record
 from support.fakes import entry
@@ -64,7 +64,7 @@ def test_spawned_processes_are_listed_and_a_killed_one_is_gone(shim, tmp_path, m
 
 
 def test_one_info_line_per_process_and_atomic_record(shim, logs, tmp_path, monkeypatch):
-    monkeypatch.setattr(proof, "_logged_pid", None)
+    proof.forget()
     monkeypatch.setenv("OMNI_PATCHES_STATE_DIR", str(tmp_path / "st"))
     shim.omni("0.28.0")
     shim.registry(entry())
@@ -90,13 +90,13 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
                for n in range(4)]  # two writers per file: os.replace makes the last one win, whole
     bad = []
     while any(w.poll() is None for w in writers):
-        for r in proof.collect(tmp_path):
+        for r in fleet.collect(tmp_path):
             if r.get("status") == "unreadable":
                 bad.append(r)
     assert all(w.wait() == 0 for w in writers)
     assert not bad
     assert sorted(f.name for f in tmp_path.iterdir()) == ["4000000.json", "4000001.json"]
-    assert {r["status"] for r in proof.collect(tmp_path)} == {"gone"}  # no such pids
+    assert {r["status"] for r in fleet.collect(tmp_path)} == {"gone"}  # no such pids
 
 
 def test_unreadable_record_is_reported_not_fatal(tmp_path, capsys):
@@ -152,7 +152,7 @@ def test_instance_id_is_minted_at_the_first_vllm_family_import_and_inherited(tmp
     watched import mints one, kept in os.environ so every child (and Ray's env copy) inherits it."""
     code = ("import os, sys, subprocess, omni_patches; omni_patches.activate(force=True)\n"
             "before = os.environ.get('OMNI_PATCHES_INSTANCE')\n"
-            "from omni_patches import engine; engine._start()\n"
+            "try:\n    import vllm  # the first watched import starts the shim, installed or not\nexcept ImportError:\n    pass\n"
             "minted = os.environ.get('OMNI_PATCHES_INSTANCE')\n"
             "child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"OMNI_PATCHES_INSTANCE\"])'],"
             " capture_output=True, text=True).stdout.strip()\n"
@@ -276,24 +276,24 @@ def test_driver_is_not_a_ray_worker(fake_ray, monkeypatch):
 def test_no_ray_no_info_and_nothing_imported(monkeypatch):
     for name in [n for n in sys.modules if n == "ray" or n.startswith("ray.")]:
         monkeypatch.delitem(sys.modules, name)
-    assert proof.ray_info() is None and proof._internal_kv() is None
+    assert proof.ray_info() is None and proof.internal_kv() is None
     assert not any(n == "ray" or n.startswith("ray.") for n in sys.modules)
 
 
 def test_applied_publishes_the_record_to_rays_kv(shim, fake_ray, tmp_path, monkeypatch, mocker):
     monkeypatch.setenv("OMNI_PATCHES_STATE_DIR", str(tmp_path / "st"))
     monkeypatch.setenv("OMNI_PATCHES_INSTANCE", "inst-7")
-    monkeypatch.setattr(proof, "_published_key", None)
+    proof.forget()
     _fake_parallel_state(monkeypatch, rank=1)
     put = mocker.spy(fake_ray.kv_module, "_internal_kv_put")
     shim.omni("0.28.0")
     shim.registry(entry())
     shim.env(OMNI_PATCHES="1")
     omni_patches.activate()
-    import fakeomni.consumer  # noqa: F401 -- two targets: two applications, two puts of the same key
+    import fakeomni.consumer  # noqa: F401 -- started, then two targets: three puts of the same key
 
     key = f"inst-7/{'n' * 56}/{os.getpid()}"
-    assert [c.args[0] for c in put.call_args_list] == [key, key]
+    assert [c.args[0] for c in put.call_args_list] == [key, key, key]
     assert {c.kwargs["namespace"] for c in put.call_args_list} == {"omni_patches"}
     rec = json.loads(fake_ray.kv.store[("omni_patches", key)])
     assert rec["role"] == "ray worker 1" and rec["instance"] == "inst-7" and rec["rank"] == "1"
@@ -301,7 +301,7 @@ def test_applied_publishes_the_record_to_rays_kv(shim, fake_ray, tmp_path, monke
     assert rec["patches"]["fake-double"]["targets"] == ["fakeomni.loader", "fakeomni.consumer"]
     local = json.loads((tmp_path / "st" / f"{os.getpid()}.json").read_text())
     assert local["ray"] == rec["ray"]
-    proof._remove()  # what atexit does: the cluster's entry goes with the local file
+    proof.remove()  # what atexit does: the cluster's entry goes with the local file
     assert fake_ray.kv.store == {} and not (tmp_path / "st" / f"{os.getpid()}.json").exists()
 
 
@@ -330,8 +330,8 @@ def _ghost_dir(tmp_path):
     """Instance A: this process (live), a dead worker it replaced, a worker that died while A serves;
     instance B: finished before A started."""
     me = os.getpid()
-    start = proof._start_time(me)
-    started = proof._started_at(start)
+    start = proof.start_time(me)
+    started = proof.started_at(start)
     d = tmp_path / "ghosts"
     d.mkdir()
     _rec(d, me, instance="A", updated=started + 5, started=started, start=start)
@@ -362,14 +362,14 @@ def test_a_dead_instance_alone_is_shown(tmp_path):
     d.mkdir()
     _rec(d, 4_000_005, instance="Z", updated=100.0)
     _rec(d, 4_000_006, instance="Z", updated=50.0)
-    assert len(proof.visible(proof.collect(d))) == 2  # nothing newer is alive: the operator must see them
+    assert len(fleet.visible(fleet.collect(d))) == 2  # nothing newer is alive: the operator must see them
 
 
 def test_prune_removes_dead_records_only(tmp_path, capsys):
     d, me = _ghost_dir(tmp_path)
     assert cli.main(["status", "--prune", "--state-dir", str(d)]) == 0
     assert "removed 3 record(s)" in capsys.readouterr().out
-    assert sorted(f.name for f in d.iterdir() if f.name != proof.PRUNED) == [f"{me}.json"]
+    assert sorted(f.name for f in d.iterdir() if f.name != fleet.PRUNED) == [f"{me}.json"]
     assert cli.main(["status", "--prune", "--json", "--state-dir", str(d)]) == 0
     assert json.loads(capsys.readouterr().out)["removed"] == []
 
@@ -391,21 +391,21 @@ def _cluster():
 
 
 def test_collect_ray_judges_liveness_from_the_clusters_tables():
-    got = {r["pid"]: r for r in proof.collect_ray(cluster=_cluster())}
+    got = {r["pid"]: r for r in fleet.collect_ray(cluster=_cluster())}
     assert {p: r["status"] for p, r in got.items()} == {11: "running", 12: "running", 13: "gone", 14: "gone",
                                                         15: "gone", 16: "unknown"}
-    assert [r["pid"] for r in proof.collect_ray(cluster=_cluster())] == [11, 15, 16, 12, 13, 14]  # node, rank
+    assert [r["pid"] for r in fleet.collect_ray(cluster=_cluster())] == [11, 15, 16, 12, 13, 14]  # node, rank
     assert got[12]["node_ip"] == "127.0.0.2" and got[12]["actor_name"] == "vllm_Worker_x_TP1"
-    assert sorted(r["pid"] for r in proof.visible(list(got.values()))) == [11, 12, 16]
+    assert sorted(r["pid"] for r in fleet.visible(list(got.values()))) == [11, 12, 16]
 
 
 def test_status_ray_lists_every_node_and_prunes_the_clusters_ghosts(tmp_path, monkeypatch, capsys):
     cluster = _cluster()
-    monkeypatch.setattr(proof, "_Cluster", lambda address: cluster)
+    monkeypatch.setattr(fleet, "Cluster", lambda address: cluster)
     d = tmp_path / "local"
     d.mkdir()
     me = os.getpid()
-    _rec(d, me, instance="I", updated=999.0, start=proof._start_time(me), role="main")  # the driver, same instance
+    _rec(d, me, instance="I", updated=999.0, start=proof.start_time(me), role="main")  # the driver, same instance
     _rec(d, 4_000_010, instance="other", updated=999.0)  # another instance's record on this host: not ours
     capsys.readouterr()
     assert cli.main(["status", "--ray", "127.0.0.1:6379", "--json", "--state-dir", str(d)]) == 0
@@ -421,7 +421,7 @@ def test_status_ray_lists_every_node_and_prunes_the_clusters_ghosts(tmp_path, mo
     removed = json.loads(capsys.readouterr().out)["removed"]
     assert sorted(k.rsplit("/", 1)[1] for k in removed) == ["13", "14", "15", "4000010.json"]
     assert sorted(int(k.rsplit("/", 1)[1]) for k in (c.decode() for c in cluster.kv)) == [11, 12, 16]
-    assert sorted(f.name for f in d.iterdir() if f.name != proof.PRUNED) == [f"{me}.json"]  # the local one too
+    assert sorted(f.name for f in d.iterdir() if f.name != fleet.PRUNED) == [f"{me}.json"]  # the local one too
 
 
 def test_status_ray_without_ray_installed_says_so(tmp_path, capsys):
@@ -434,6 +434,6 @@ def test_status_ray_without_ray_installed_says_so(tmp_path, capsys):
 
 def test_ray_address_default(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert proof.ray_address() == "auto"
+    assert fleet.ray_address() == "auto"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert proof.ray_address() == "10.0.0.1:6379" and proof.ray_address("h:1") == "h:1"
+    assert fleet.ray_address() == "10.0.0.1:6379" and fleet.ray_address("h:1") == "h:1"

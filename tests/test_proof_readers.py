@@ -15,19 +15,18 @@ import time
 import pytest
 
 import omni_patches
-from omni_patches import cli, proof
+from omni_patches import cli, fleet, proof
 from support import proof_child
 from support.fake_gcs import FakeCluster, ray_record
 from support.fakes import entry
 
 
 @pytest.fixture
-def fresh_proof(monkeypatch):
+def fresh_proof():
     """This (pytest) process has recorded nothing yet, whatever earlier tests did."""
-    monkeypatch.setattr(proof, "_written_pid", None)
-    monkeypatch.setattr(proof, "_written_file", None, raising=False)  # (absent before issue 20)
-    monkeypatch.setattr(proof, "_logged_pid", None)
-    monkeypatch.setattr(proof, "_inactive_reason", None, raising=False)
+    proof.forget()
+    yield
+    proof.forget()
 
 
 def _serving_env(shim, tmp_path, monkeypatch, **extra):
@@ -112,7 +111,7 @@ def test_a_killed_worker_not_yet_reaped_is_gone_not_running(shim, tmp_path, monk
         assert _proc_state(p.pid) == "Z"
         rc, out, _ = _status(capsys, "--all-processes", "--json", "--state-dir", str(state))
         assert [(r["pid"], r["status"]) for r in json.loads(out)["processes"]] == [(p.pid, "gone")]
-        assert proof.prune(str(state)) == [str(state / f"{p.pid}.json")]
+        assert fleet.prune(str(state)) == [str(state / f"{p.pid}.json")]
     finally:
         proof_child.stop_workers([p], stop)
 
@@ -145,10 +144,10 @@ def test_relative_state_dir_is_resolved_once_and_the_record_removed_after_chdir(
 def test_writer_dir_pins_a_relative_state_dir(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMNI_PATCHES_STATE_DIR", "st")
-    assert proof._writer_dir() == str(tmp_path / "st")
+    assert proof.writer_dir() == str(tmp_path / "st")
     assert os.environ["OMNI_PATCHES_STATE_DIR"] == str(tmp_path / "st")
     monkeypatch.chdir("/")
-    assert proof._writer_dir() == str(tmp_path / "st")
+    assert proof.writer_dir() == str(tmp_path / "st")
 
 
 # -- 4. readers that cannot use what they find ------------------------------------------------------------------------
@@ -230,7 +229,7 @@ def test_foreign_json_files_are_reported_and_the_rest_is_read_and_pruned(tmp_pat
     for name, doc in FOREIGN.items():
         (d / name).write_text(json.dumps(doc))
     me = os.getpid()
-    good = {"pid": me, "instance": "A", "start": proof._start_time(me), "updated": time.time(), "role": "main",
+    good = {"pid": me, "instance": "A", "start": proof.start_time(me), "updated": time.time(), "role": "main",
             "patches": {"p": {"state": "applied"}}}
     (d / f"{me}.json").write_text(json.dumps(good))
     (d / "4000030.json").write_text(json.dumps({**good, "pid": 4_000_030, "start": None}))  # died while A serves
@@ -252,14 +251,14 @@ def test_foreign_values_in_the_clusters_store_are_reported(tmp_path):
     cluster = FakeCluster([ray_record(11, "N1", "A1", rank="0")], *_tables())
     cluster.kv[b"I/N1/12"] = b"[1, 2]"
     cluster.kv[b"I/N1/13"] = json.dumps({"pid": 13, "ray": {"node_id": ["x"]}}).encode()
-    got = proof.collect_ray(cluster=cluster)
+    got = fleet.collect_ray(cluster=cluster)
     assert sorted((r["key"], r.get("pid"), r["status"]) for r in got) == [
         ("I/N1/11", 11, "running"), ("I/N1/12", None, "unreadable"), ("I/N1/13", None, "unreadable")]
 
 
 def test_with_ray_an_unreadable_local_dir_does_not_hide_the_cluster(tmp_path, monkeypatch, capsys):
     cluster = FakeCluster([ray_record(11, "N1", "A1", rank="0")], *_tables())
-    monkeypatch.setattr(proof, "_Cluster", lambda address: cluster)
+    monkeypatch.setattr(fleet, "Cluster", lambda address: cluster)
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     rc, out, err = _status(capsys, "--ray", "127.0.0.1:6379", "--state-dir", str(not_a_dir))
@@ -270,7 +269,7 @@ def test_with_ray_an_unreadable_local_dir_does_not_hide_the_cluster(tmp_path, mo
 WRITER = r"""
 import json, os, sys, time
 sys.path.insert(0, {root!r})
-from omni_patches import proof
+from omni_patches import fleet, proof
 
 def stuck(obj, fh):
     fh.write('{{"pid": ')
@@ -292,7 +291,7 @@ def test_temp_files_of_a_writer_killed_mid_write_are_pruned(tmp_path, capsys):
         assert writer.stdout.readline().strip() == "writing"
         tmp = [f.name for f in d.iterdir()]
         assert len(tmp) == 1 and tmp[0].startswith(f".{writer.pid}.") and tmp[0].endswith(".tmp")
-        assert proof.prune(str(d)) == [] and [f.name for f in d.iterdir()] == tmp  # a live writer's: kept
+        assert fleet.prune(str(d)) == [] and [f.name for f in d.iterdir()] == tmp  # a live writer's: kept
         writer.send_signal(signal.SIGKILL)
         writer.wait(30)
     finally:
@@ -304,7 +303,7 @@ def test_temp_files_of_a_writer_killed_mid_write_are_pruned(tmp_path, capsys):
     assert "1 temp file(s) of writers killed mid-write" in out
     rc, out, err = _status(capsys, "--prune", "--state-dir", str(d))
     assert rc == 0 and "removed 1 record(s)" in out and tmp[0] in out
-    assert [f.name for f in d.iterdir() if f.name != proof.PRUNED] == []
+    assert [f.name for f in d.iterdir() if f.name != fleet.PRUNED] == []
 
 
 def test_a_temp_file_older_than_the_process_that_now_holds_its_pid_is_stale(tmp_path):
@@ -314,7 +313,7 @@ def test_a_temp_file_older_than_the_process_that_now_holds_its_pid_is_stale(tmp_
     os.utime(stale, (1.0, 1.0))  # written long before this process started
     fresh = tmp_path / f".{os.getpid()}.def.tmp"
     fresh.write_text('{"pid": ')  # being written by this (live) process now
-    assert proof.leftovers(str(tmp_path)) == [str(stale)]
+    assert fleet.leftovers(str(tmp_path)) == [str(stale)]
 
 
 def test_a_record_of_an_earlier_boot_is_gone_and_another_machines_unknown(tmp_path):
@@ -323,7 +322,7 @@ def test_a_record_of_an_earlier_boot_is_gone_and_another_machines_unknown(tmp_pa
     for name, host in (("1.json", os.uname().nodename), ("2.json", "other-machine")):
         (tmp_path / name).write_text(json.dumps({"pid": me, "boot_id": "an-earlier-boot", "host": host,
                                                  "instance": "A", "updated": 1.0, "patches": {}}))
-    assert [(os.path.basename(r["file"]), r["status"]) for r in proof.collect(str(tmp_path))] == [
+    assert [(os.path.basename(r["file"]), r["status"]) for r in fleet.collect(str(tmp_path))] == [
         ("1.json", "gone"), ("2.json", "unknown")]
 
 
@@ -390,7 +389,7 @@ def test_the_view_counts_the_workers_the_layout_expects(monkeypatch, tmp_path, c
     for r in records:
         r.update(world_size="4", tp_size="2", pp_size="1", dp_size="2")
     cluster = FakeCluster(records, *_tables())
-    monkeypatch.setattr(proof, "_Cluster", lambda address: cluster)
+    monkeypatch.setattr(fleet, "Cluster", lambda address: cluster)
     rc, out, _ = _status(capsys, "--ray", "127.0.0.1:6379", "--state-dir", str(tmp_path))
     assert rc == 0
     assert ("instance I: 2 of 4 worker rank(s) recorded (vLLM world size 4: TP 2 × PP 1 × DP 2); missing rank(s) "
@@ -404,9 +403,9 @@ def test_ray_view_lists_the_driver_when_no_worker_could_record(tmp_path, monkeyp
     """VLLM_PLUGINS leaves omni_patches out on the workers: nothing of the instance is in the cluster's store,
     the driver's local record is listed, and the view says no worker recorded itself."""
     cluster = FakeCluster([ray_record(11, "N1", "A1", rank="0", instance="other")], *_tables())
-    monkeypatch.setattr(proof, "_Cluster", lambda address: cluster)
+    monkeypatch.setattr(fleet, "Cluster", lambda address: cluster)
     me = os.getpid()
-    (tmp_path / f"{me}.json").write_text(json.dumps({"pid": me, "instance": "J", "start": proof._start_time(me),
+    (tmp_path / f"{me}.json").write_text(json.dumps({"pid": me, "instance": "J", "start": proof.start_time(me),
                                                      "updated": time.time(), "role": "main", "patches": {}}))
     rc, out, _ = _status(capsys, "--ray", "127.0.0.1:6379", "--state-dir", str(tmp_path))
     assert rc == 0 and "this host" in out
@@ -436,7 +435,7 @@ def test_the_table_shows_the_patches_that_apply_and_the_rest_on_request(tmp_path
     me = os.getpid()
     patches = {f"skipped-patch-{i}": {"state": "skipped:absent"} for i in range(8)}
     patches.update({"applies-here": {"state": "applied"}, "drifts-here": {"state": "drifted"}})
-    (d / f"{me}.json").write_text(json.dumps({"pid": me, "instance": "A", "start": proof._start_time(me),
+    (d / f"{me}.json").write_text(json.dumps({"pid": me, "instance": "A", "start": proof.start_time(me),
                                               "updated": time.time(), "role": "main", "patches": patches}))
     rc, out, _ = _status(capsys, "--all-processes", "--state-dir", str(d))
     assert rc == 0 and "applies-here" in out and "drifts-here" in out and "skipped-patch" not in out
@@ -454,7 +453,7 @@ def test_ray_view_names_the_ray_prune_and_each_nodes_own_files(tmp_path, monkeyp
     nodes, jobs, actors = _tables()
     actors["A4"] = {"alive": False, "pid": 14, "name": None}  # killed: its node's local file stays behind
     cluster = FakeCluster(records, nodes, jobs, actors)
-    monkeypatch.setattr(proof, "_Cluster", lambda address: cluster)
+    monkeypatch.setattr(fleet, "Cluster", lambda address: cluster)
     rc, out, _ = _status(capsys, "--ray", "127.0.0.1:6379", "--state-dir", str(tmp_path))
     assert "1 record(s) of processes that are gone" in out
     assert "`omni-patches status --prune --ray` removes them" in out
@@ -465,7 +464,7 @@ def test_ray_view_names_the_ray_prune_and_each_nodes_own_files(tmp_path, monkeyp
     # On that node, the local reader points at both cleanups.
     local = tmp_path / "node2"
     local.mkdir()
-    (local / "4000014.json").write_text(json.dumps({**records[1], "pid": 4_000_014, "boot_id": proof._boot("boot_id")}))
+    (local / "4000014.json").write_text(json.dumps({**records[1], "pid": 4_000_014, "boot_id": proof.boot("boot_id")}))
     rc, out, _ = _status(capsys, "--all-processes", "--state-dir", str(local))
     assert "`omni-patches status --prune` removes them here" in out and "--prune --ray" in out
 

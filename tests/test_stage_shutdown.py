@@ -104,6 +104,14 @@ def test_patch_module_imports_without_zmq():
 # --------------------------------------------------------------------------------------------------
 # The wrapper itself, on real zmq sockets in this process (pyzmq from the cached --target directory).
 # --------------------------------------------------------------------------------------------------
+def _run():
+    """The patch's run-time record, as the engine gives it (ctx.run)."""
+    from omni_patches.gates import Decision
+    from omni_patches.runs import PatchRun
+
+    return PatchRun("omni-stage-shutdown-nonblocking", Decision("applied", "", {}, True))
+
+
 class _Client:
     stage_id, replica_id = 3, 1
 
@@ -125,7 +133,7 @@ def test_stock_errors_propagate_and_the_socket_option_is_restored(zmq, push, moc
 
     wrapped = mocker.Mock(side_effect=stock)
     with pytest.raises(RuntimeError, match="upstream's own failure"):
-        p._shutdown(wrapped, _Client(push), (), {})
+        p._shutdown(_run(), wrapped, _Client(push), (), {})
     assert seen["sndtimeo"] == 0 and wrapped.call_count == 1
     assert push.getsockopt(zmq.SNDTIMEO) == 250
 
@@ -142,23 +150,22 @@ def test_unusable_socket_runs_the_stock_call(zmq, sock, mocker):
     else:
         obj = None if sock == "none" else object()
     wrapped = mocker.Mock(return_value="stock")
-    assert p._shutdown(wrapped, _Client(obj), (1,), {"k": 2}) == "stock"
+    assert p._shutdown(_run(), wrapped, _Client(obj), (1,), {"k": 2}) == "stock"
     wrapped.assert_called_once_with(1, k=2)
 
 
 def test_drop_is_reported_only_without_a_peer(zmq, push, tmp_path, mocker):
-    from omni_patches import engine
     from omni_patches.patches import omni_stage_shutdown_nonblocking as p
 
-    note = mocker.spy(engine, "note")
-    p._shutdown(mocker.Mock(), _Client(push), (), {})
-    assert note.call_count == 1 and "dropped instead of blocking" in note.call_args.args[1]
+    run = _run()
+    p._shutdown(run, mocker.Mock(), _Client(push), (), {})
+    assert run.counts == {"dropped": 1} and "dropped instead of blocking: 1 client(s)" in run.notes["dropped"]
     pull = push.context.socket(zmq.PULL)
     pull.connect(f"ipc://{tmp_path}/req")
     try:
         assert push.poll(5000, zmq.POLLOUT)
-        p._shutdown(mocker.Mock(), _Client(push), (), {})
-        assert note.call_count == 1  # a live peer takes the message: nothing to report
+        p._shutdown(run, mocker.Mock(), _Client(push), (), {})
+        assert run.counts == {"dropped": 1}  # a live peer takes the message: nothing to report
     finally:
         pull.close(linger=0)
 

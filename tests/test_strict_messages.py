@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import omni_patches
-from omni_patches import cli, engine, wrapping
+from omni_patches import cli, engine, envcheck, wrapping
 from support.fakes import entry
 
 
@@ -58,7 +58,7 @@ def test_a_distribution_assumed_twice_is_not_assumed(shim, logs):
 def test_kernel_setting_is_checked_against_the_kernel_module():
     from omni_patches.patches import _lora_cpu_kernels as kernels
 
-    assert (engine.KERNEL_VAR, engine.KERNEL_CHOICES) == (kernels.ENV, kernels.CHOICES)
+    assert (envcheck.KERNEL_VAR, envcheck.KERNEL_CHOICES) == (kernels.ENV, kernels.CHOICES)
 
 
 def test_kernel_warning_is_logged_once_for_both_readers(shim, logs, monkeypatch):
@@ -186,9 +186,8 @@ def test_reloaded_target_is_reverted_then_reapplied_once(shim):
     assert st.state == "reverted" and "no longer in place: fakeomni.loader.compute" in st.reason, st.reason
     assert "fakeomni.loader.Mixin.load" in st.reason  # the class is a new, stock one too
     # the import hook runs again for the reloaded module: applied once more, wrapped once
-    state = engine._state
-    engine._on_import(state.generation, "fake-double", "fakeomni.loader", m)
-    engine._on_import(state.generation, "fake-double", "fakeomni.loader", m)
+    engine.reapply(m)
+    engine.reapply(m)
     assert m.compute(3) == 6 and wrapping.installed_by(vars(m)["compute"]) == ["fake-double"]
     assert m.Mixin.load(1) == ("patched", ("Mixin", 1))
     assert wrapping.installed_by(vars(m.Mixin)["load"]) == ["fake-double"]

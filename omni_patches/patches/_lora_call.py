@@ -30,10 +30,10 @@ class _Call:
     """One load/unload call: its parameters by name (as the loop names them) and the compute device (plus
     what lora-cpu-fused-delta keeps per call: paths taken, the accumulate mode)."""
 
-    __slots__ = ("params", "device", "tally", "mode")
+    __slots__ = ("params", "device", "tally", "mode", "run")
 
-    def __init__(self, params, device=None):
-        self.params, self.device = params, device
+    def __init__(self, params, device=None, run=None):
+        self.params, self.device, self.run = params, device, run  # run: the patch's record (ctx.run)
         self.tally = self.mode = None
 
 
@@ -87,7 +87,7 @@ def call_scope(ctx, var, call_args, device=lambda: None, around=None):
     def per_call(wrapped, instance, args, kwargs):
         try:
             module = call_args.get(args, kwargs, "module")
-            call = _Call(param_map(module, call_args.get(args, kwargs, "prefix")), device())
+            call = _Call(param_map(module, call_args.get(args, kwargs, "prefix")), device(), ctx.run)
             scope = around(call) if around is not None else contextlib.nullcontext()
         except Exception:  # a call shape we do not understand: upstream decides what happens
             return ctx.stock("a load/unload call whose module has no named_parameters(prefix)", wrapped, args,

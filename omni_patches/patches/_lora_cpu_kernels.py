@@ -69,6 +69,7 @@ _ARM_FLAGS = {"bf16": ("bf16",), "fp16": ("asimdhp",)}
 _lock = threading.Lock()
 _chosen = {}  # torch dtype -> (kernel name, kernel function)
 _pinned = {}  # torch dtype -> kernel name (pin(): the benchmark runs both kernels in one process)
+_said = {}  # the same keys -> (status note text, note key): why the kernel was chosen
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -152,9 +153,10 @@ def supported(dtype):
     return str(dtype).replace("torch.", "") in FLOATS
 
 
-def kernel_for(dtype, lora_dtype=None):
+def kernel_for(dtype, lora_dtype=None, note=None):
     """``(name, function)`` of the kernel for weights of ``dtype`` (LoRA factors of ``lora_dtype``, default the
-    same): decided once per process and dtype pair. Both must be :func:`supported`.
+    same): decided once per process and dtype pair. Both must be :func:`supported`. ``note(text, key=...)``
+    (the patch's ``run.note``) is told the choice and why, when it is made.
 
     * same dtype: ``addmm`` or ``fp32`` (see the module docstring), decided by capability and probe;
     * a LoRA narrower than the weight (bf16 factors, fp32 weight): ``addmm`` of the widened factors;
@@ -163,23 +165,28 @@ def kernel_for(dtype, lora_dtype=None):
       them, and the weight is rounded once where stock rounds the product and then the sum.
     """
     if lora_dtype is not None and lora_dtype != dtype:
-        got = _chosen.get((dtype, lora_dtype))
+        key = (dtype, lora_dtype)
+        got = _chosen.get(key)
         if got is None:
             with _lock:
-                got = _chosen.get((dtype, lora_dtype))
+                got = _chosen.get(key)
                 if got is None:
-                    got = _chosen[(dtype, lora_dtype)] = _decide_mixed(dtype, lora_dtype)
-        return got
-    name = _pinned.get(dtype)
-    if name is not None:
-        return name, KERNELS[name]
-    got = _chosen.get(dtype)
-    if got is None:
-        with _lock:
-            got = _chosen.get(dtype)
-            if got is None:
-                got = _chosen[dtype] = _decide(dtype)
-    return got
+                    got = _chosen[key] = _decide_mixed(dtype, lora_dtype)
+    else:
+        name = _pinned.get(dtype)
+        if name is not None:
+            return name, KERNELS[name]
+        key = dtype
+        got = _chosen.get(key)
+        if got is None:
+            with _lock:
+                got = _chosen.get(key)
+                if got is None:
+                    got = _chosen[key] = _decide(dtype)
+    if note is not None:  # every run is told (a new activation too); the same note again costs a dict lookup
+        text, note_key = _said[key]
+        note(text, key=note_key)
+    return got[:2]
 
 
 def pin(dtype, name):
@@ -201,6 +208,7 @@ def forget():
     with _lock:
         _chosen.clear()
         _pinned.clear()
+        _said.clear()
 
 
 def setting(environ=os.environ):
@@ -250,9 +258,9 @@ def _decide(dtype):
             if native is False and t["addmm"] < t["fp32"]:
                 why += f"; addmm_ not used: its {name} GEMM is emulated here"
     text = f"kernel {name}: {LABELS[kernel].format(dtype=name)} ({why})"
-    from .. import engine, log
+    from .. import log
 
-    engine.note(PATCH_ID, text, key=f"kernel {name}")
+    _said[dtype] = (text, f"kernel {name}")
     log.once(20, (PATCH_ID, "kernel", name), "%s: %s", PATCH_ID, text)
     return kernel, KERNELS[kernel]
 
@@ -269,9 +277,9 @@ def _decide_mixed(dtype, lora_dtype):
         name, kernel = f"{wide} row-blocked", blocked_in(acc)
         why = f"the {lora} factors multiplied in {wide} as stock does; one rounding into {w} (stock: two)"
     text = f"{lora} LoRA on {w} weights: {name} ({why})"
-    from .. import engine, log
+    from .. import log
 
-    engine.note(PATCH_ID, text, key=f"kernel {lora}->{w}")
+    _said[(dtype, lora_dtype)] = (text, f"kernel {lora}->{w}")
     log.once(20, (PATCH_ID, "kernel", lora, w), "%s: %s", PATCH_ID, text)
     return name, kernel
 

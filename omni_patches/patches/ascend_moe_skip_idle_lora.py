@@ -47,6 +47,7 @@ How:         per forward, the runner method runs with the context hidden (restor
 Remove when: vllm-ascend gates the unquantized MoE-LoRA branch on ``has_lora(ctx)`` (with a fresh ``no_lora``)
              in every release this project supports
 """
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -152,20 +153,15 @@ def _freshness(cls):
     return NEVER
 
 
-def _learn(cls):
+def _learn(run, cls):
     """Classify (once per class, at the first idle-looking forward) and say so in the patch's status."""
     try:
         kind = _freshness(cls)
     except Exception:  # never raise into the forward for our own reasons
         kind = NEVER
     _KINDS[cls] = kind
-    try:
-        from omni_patches import engine
-
-        engine.note(PATCH_ID, f"punica wrapper {cls.__module__}.{cls.__qualname__}: no_lora {kind}",
-                    key=f"punica:{cls.__module__}.{cls.__qualname__}")
-    except Exception:
-        pass
+    run.note(f"punica wrapper {cls.__module__}.{cls.__qualname__}: no_lora {kind}",
+             key=f"punica:{cls.__module__}.{cls.__qualname__}")
     return kind
 
 
@@ -201,33 +197,37 @@ def _signature_parts(func):
     return ", ".join(params), ", ".join(call), ns
 
 
-def _unreadable():
-    from ..context import fallback
-
-    fallback(PATCH_ID, "reading the context's punica_wrapper.no_lora / is_prefill raised: the forward ran with "
-                       "the context, as stock")
+def _unreadable(run):
+    run.fallback("reading the context's punica_wrapper.no_lora / is_prefill raised: the forward ran with the "
+                 "context, as stock")
 
 
-def _compile(original, body, ns):
-    ns.update(_orig=original, _KINDS=_KINDS, _learn=_learn, _ALWAYS=ALWAYS, _PREFILL=PREFILL, _unreadable=_unreadable)
+def _compile(original, body, ns, run=None):
+    """``run``: the patch's record (``ctx.run``) that notes and fallbacks go to; None (a benchmark or a test
+    calling the builder directly): nowhere."""
+    from ..runs import Detached
+
+    run = Detached(PATCH_ID) if run is None else run
+    ns.update(_orig=original, _KINDS=_KINDS, _learn=functools.partial(_learn, run), _ALWAYS=ALWAYS, _PREFILL=PREFILL,
+              _unreadable=functools.partial(_unreadable, run))
     exec(compile(body, f"<omni-patches {PATCH_ID} {original.__qualname__}>", "exec"), ns)
     return ns[original.__name__]
 
 
-def make_skip(original, holder):
+def make_skip(original, holder, run=None):
     """A plain function with ``original``'s exact signature that hides a fresh-idle context (holder: self|routed)."""
     params, call, ns = _signature_parts(original)
     self_name = next(iter(inspect.signature(original).parameters))
     head = (_ON_SELF if holder == "self" else _ON_ROUTED).format(self=self_name)
     body = _BODY.format(call=call, idle=_IDLE.format(lc="_lc"))
     ns.update(_KEY=KEY, _EMPTY={})
-    return _compile(original, f"def {original.__name__}({params}):\n{head}{body}", ns)
+    return _compile(original, f"def {original.__name__}({params}):\n{head}{body}", ns, run)
 
 
-def make_arg_skip(original, arg="lora_context"):
+def make_arg_skip(original, arg="lora_context", run=None):
     params, call, ns = _signature_parts(original)
     body = _ARG_BODY.format(arg=arg, call=call, idle=_IDLE.format(lc=arg))
-    return _compile(original, f"def {original.__name__}({params}):\n{body}", ns)
+    return _compile(original, f"def {original.__name__}({params}):\n{body}", ns, run)
 
 
 def _method(ctx, cls_path, name, root=None):
@@ -360,7 +360,7 @@ def apply(ctx):
     if layout is not None:
         owner, name, holder, found = layout
         ctx.describe(found)
-        ctx.replace(owner, name, lambda original: make_skip(original, holder))
+        ctx.replace(owner, name, lambda original: make_skip(original, holder, ctx.run))
         return
     if ctx.target == ROUTED_EXPERTS:
         ctx.drift("AscendRoutedExperts has neither forward_impl(*, hidden_states, router_logits, ...) nor "
@@ -375,7 +375,7 @@ def apply(ctx):
     func = getattr(mlp, "unquant_apply_mlp", None)
     if inspect.isfunction(func) and _takes(func, "lora_context"):
         ctx.describe("moe_mlp.unquant_apply_mlp(lora_context=...) (fallback: no runner method matched)")
-        ctx.replace(mlp, "unquant_apply_mlp", make_arg_skip)
+        ctx.replace(mlp, "unquant_apply_mlp", lambda original: make_arg_skip(original, run=ctx.run))
         return
     if _predates_moe_lora(ctx.module, mlp):
         ctx.not_affected("no MoE-LoRA context in vllm_ascend.ops.fused_moe (no lora_context, moe_lora_apply, "

@@ -45,7 +45,6 @@ Remove when: upstream fuses LoRA deltas in place on CPU, or vllm-omni stops merg
 import collections
 import collections.abc
 
-from .. import context
 from . import _lora_call as lc
 from . import _lora_cpu_kernels as kernels
 
@@ -211,7 +210,7 @@ class _Node:
             why = _accumulate(args[0], args[1], _ACCUMULATE[func])
             if why is None:
                 return args[0]
-            context.fallback(PATCH_ID, why)
+            _run().fallback(why)
             _count("original code")
         return func(*_real(args), **_real(kwargs))
 
@@ -256,7 +255,8 @@ class _Product(_Node):
         return torch.matmul(self.b, self.a)
 
     def accumulate(self, dst, sign):
-        name, kernel = kernels.kernel_for(dst.dtype, self.b.dtype)  # decided once per process and dtype pair
+        # decided once per process and dtype pair
+        name, kernel = kernels.kernel_for(dst.dtype, self.b.dtype, note=_run().note)
         kernel(dst, self.b, self.a, sign)
         w, lora = kernels.short(dst.dtype), kernels.short(self.b.dtype)
         return f"{lora} LoRA on {w} weights: {kernels.LABELS.get(name, name).format(dtype=w)}"
@@ -347,7 +347,14 @@ def _accumulate(param, node, sign):
 
 # ----------------------------------------------------------------------------------------------- status
 
-_totals = collections.Counter()  # path label -> parameters, this process
+def _run():
+    """The patch's record for the load/unload call under way (notes, fallbacks, the path totals)."""
+    call = lc.FUSED.get()
+    if call is not None and call.run is not None:
+        return call.run
+    from ..runs import Detached
+
+    return Detached(PATCH_ID)
 
 
 def _count(label):
@@ -356,14 +363,15 @@ def _count(label):
         call.tally[label] += 1
 
 
-def _report(tally):
+def _report(call):
     """After each load/unload call: which path ran for how many parameters (one ``status`` note)."""
-    if not tally:
+    if not call.tally or call.run is None:
         return
-    _totals.update(tally)
-    paths = sorted(_totals.items(), key=lambda kv: (kv[0] == "original code", kv[0]))
+    totals = call.run.data.setdefault("paths", collections.Counter())  # path label -> parameters, this activation
+    totals.update(call.tally)
+    paths = sorted(totals.items(), key=lambda kv: (kv[0] == "original code", kv[0]))
     text = "; ".join(f"{label} x{n}" for label, n in paths)
-    context.note(PATCH_ID, f"paths so far (parameters, per load and unload): {text}", key="paths")
+    call.run.note(f"paths so far (parameters, per load and unload): {text}", key="paths")
 
 
 class _Scope:
@@ -381,14 +389,14 @@ class _Scope:
                 mode.__enter__()
                 self.mode = self.call.mode = mode
         except Exception as exc:  # then pass-through subclasses take the stock path (see _prepare)
-            context.fallback(PATCH_ID, f"could not enter the accumulate mode ({type(exc).__name__})")
+            self.call.run.fallback(f"could not enter the accumulate mode ({type(exc).__name__})")
         return self
 
     def __exit__(self, *exc):
         if self.mode is not None:
             self.mode.__exit__(*exc)
         try:
-            _report(self.call.tally)
+            _report(self.call)
         except Exception:  # pragma: no cover - a note never breaks the call
             pass
         return False

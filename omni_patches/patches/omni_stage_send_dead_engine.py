@@ -29,7 +29,6 @@ Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import logging
 
-from .. import context
 from . import _stage_client as sc
 
 PATCH_ID = "omni-stage-send-dead-engine"
@@ -60,9 +59,9 @@ def check(ctx):
 
 def apply(ctx):
     dead_error, zmq = ctx.module.EngineDeadError, ctx.module.zmq
-    ctx.wrap("StageDiffusionClient", "add_request_async", _sender(dead_error, zmq, rpc=False))
-    ctx.wrap("StageDiffusionClient", "collective_rpc_async", _sender(dead_error, zmq, rpc=True))
-    ctx.wrap("StageDiffusionClient", "abort_requests_async", _aborter(zmq))
+    ctx.wrap("StageDiffusionClient", "add_request_async", _sender(ctx.run, dead_error, zmq, rpc=False))
+    ctx.wrap("StageDiffusionClient", "collective_rpc_async", _sender(ctx.run, dead_error, zmq, rpc=True))
+    ctx.wrap("StageDiffusionClient", "abort_requests_async", _aborter(ctx.run, zmq))
 
 
 def _unexpected(client):
@@ -96,13 +95,13 @@ def _first_step(client, wrapped, args, kwargs):
         sc.restore(sock, previous)
 
 
-def _sender(dead_error, zmq, *, rpc):
+def _sender(run, dead_error, zmq, *, rpc):
     """Wrapper for the methods 0.31.0rc1 sends through ``_send_request`` (add_request_async, collective_rpc_async)."""
 
     async def send_or_raise(wrapped, instance, args, kwargs):
         why = _unexpected(instance)
         if why is not None:
-            context.fallback(PATCH_ID, why)
+            run.fallback(why)
             return await wrapped(*args, **kwargs)
         while True:
             pending = set(getattr(instance, "_pending_rpcs", ())) if rpc else None
@@ -114,12 +113,12 @@ def _sender(dead_error, zmq, *, rpc):
                 manager = instance._proc_manager
                 if manager is not None and not manager.proc.is_alive():
                     instance._engine_dead = True
-                    _report(instance, "send")
+                    _report(run, instance, "send")
                     raise dead_error() from None
                 instance._request_socket.poll(_RETRY_POLL_MS, zmq.POLLOUT)
                 continue
             if step is None:  # the option could not be set: run stock as it is
-                context.fallback(PATCH_ID, "the request socket's send timeout cannot be set")
+                run.fallback("the request socket's send timeout cannot be set")
                 return await wrapped(*args, **kwargs)
             coro, value = step
             return value if coro is None else await sc.resume(coro, value)
@@ -127,21 +126,21 @@ def _sender(dead_error, zmq, *, rpc):
     return send_or_raise
 
 
-def _aborter(zmq):
+def _aborter(run, zmq):
     async def abort_or_drop(wrapped, instance, args, kwargs):
         why = _unexpected(instance)
         if why is not None:
-            context.fallback(PATCH_ID, why)
+            run.fallback(why)
             return await wrapped(*args, **kwargs)
         if instance._engine_dead:  # 0.31.0rc1: nothing to abort on a dead engine
             return None
         try:
             step = _first_step(instance, wrapped, args, kwargs)
         except zmq.Again:
-            _report(instance, "abort")
+            _report(run, instance, "abort")
             return None
         if step is None:
-            context.fallback(PATCH_ID, "the request socket's send timeout cannot be set")
+            run.fallback("the request socket's send timeout cannot be set")
             return await wrapped(*args, **kwargs)
         coro, value = step
         return value if coro is None else await sc.resume(coro, value)
@@ -149,17 +148,14 @@ def _aborter(zmq):
     return abort_or_drop
 
 
-_counts = {"send": 0, "abort": 0}
-
-
-def _report(client, kind):
+def _report(run, client, kind):
     """Count what would have hung in stock (status note; logged once per kind)."""
     try:
-        _counts[kind] += 1
+        n = run.count(kind)
         text = {"send": "EngineDeadError instead of a blocking send: {n} call(s) whose diffusion subprocess was gone",
                 "abort": "abort dropped instead of blocking: {n} call(s) that found no peer"}[kind]
-        context.note(PATCH_ID, text.format(n=_counts[kind]), key=kind)
-        if _counts[kind] == 1:
+        run.note(text.format(n=n), key=kind)
+        if n == 1:
             _LOG.info("%s: stage-%s replica-%s: %s", PATCH_ID, getattr(client, "stage_id", "?"),
                       getattr(client, "replica_id", "?"), text.format(n=1))
     except Exception:

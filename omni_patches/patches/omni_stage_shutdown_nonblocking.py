@@ -27,14 +27,13 @@ How:         StageDiffusionClient.shutdown is wrapped (wrapt; it runs once per c
              omni_patches/patches/_stage_client.py.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
+import functools
 import logging
 
-from .. import context
 from . import _stage_client as sc
 
 PATCH_ID = "omni-stage-shutdown-nonblocking"
 _LOG = logging.getLogger("omni_patches")
-_dropped = 0  # shutdowns that found no peer for the message (engine.note)
 
 
 def check(ctx):
@@ -50,41 +49,38 @@ def check(ctx):
 
 
 def apply(ctx):
-    ctx.wrap("StageDiffusionClient", "shutdown", _shutdown)
+    ctx.wrap("StageDiffusionClient", "shutdown", functools.partial(_shutdown, ctx.run))
 
 
-def _nonblocking(client, sock):
+def _nonblocking(run, client, sock):
     """Make every send on ``sock`` non-blocking; return the previous SNDTIMEO, or None if untouched."""
     previous = sc.nonblocking(sock, PATCH_ID)
     if previous is not None:
         import zmq
 
-        _report_dead_peer(client, sock, zmq)
+        _report_dead_peer(run, client, sock, zmq)
     return previous
 
 
-def _report_dead_peer(client, sock, zmq):
+def _report_dead_peer(run, client, sock, zmq):
     """Say so when the stock send is about to find no peer (it would have blocked forever)."""
-    global _dropped
     try:
         if sock.poll(0, zmq.POLLOUT):
             return
-        _dropped += 1
-        from .. import engine
-
-        engine.note(PATCH_ID, f"shutdown message dropped instead of blocking: {_dropped} client(s) whose "
-                              "diffusion subprocess was gone", key="dropped")
+        n = run.count("dropped")
+        run.note(f"shutdown message dropped instead of blocking: {n} client(s) whose diffusion subprocess was gone",
+                 key="dropped")
         _LOG.info("%s: stage-%s replica-%s: no peer takes the shutdown message (subprocess gone); dropped "
                   "instead of blocking", PATCH_ID, getattr(client, "stage_id", "?"), getattr(client, "replica_id", "?"))
     except Exception:
         pass
 
 
-def _shutdown(wrapped, instance, args, kwargs):
+def _shutdown(run, wrapped, instance, args, kwargs):
     sock = getattr(instance, "_request_socket", None)
-    previous = _nonblocking(instance, sock)
+    previous = _nonblocking(run, instance, sock)
     if previous is None:  # e.g. a second shutdown(): stock's send fails on the closed socket and goes on
-        context.fallback(PATCH_ID, "the client has no open zmq request socket")
+        run.fallback("the client has no open zmq request socket")
         return wrapped(*args, **kwargs)
     try:
         return wrapped(*args, **kwargs)

@@ -162,7 +162,7 @@ def main(case_module, kind, index):
     # Applies once: activation twice, and the import hook firing again, change nothing.
     assert omni_patches.activate() is False
     for name, mod in mods.items():
-        engine._on_import(engine._state.generation, case.patch_id, name, mod)
+        engine.reapply(mod)
     again = _snapshot(mods)
     assert not _changed(applied, again), f"second application changed {_changed(applied, again)}"
     # Undo restores the identical original objects.

@@ -29,7 +29,7 @@ class OmniProbe:
             "actor_id": ctx.get_actor_id(),
             "argv0": os.path.basename(sys.argv[0]),
             "active": active,
-            "sources": list(engine._state.sources) if active else [],
+            "sources": engine.snapshot().sources if active else [],
             "status": {s.id: {"state": s.state, "reason": s.reason} for s in omni_patches.status()},
             "role": proof.role(info=proof.ray_info())["role"],
             "env": {k: v for k, v in os.environ.items()

@@ -19,7 +19,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from omni_patches import index
+from omni_patches.tools import index
 
 
 CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))

