@@ -191,7 +191,7 @@ def child(args):
     chosen, _ = K.kernel_for(dt)  # what a user gets at the first load (capability + probe)
     decide_ms = (time.perf_counter() - t0) * 1e3
     reason = next(s.reason for s in omni_patches.status() if s.id == "lora-cpu-fused-delta")
-    note = reason[reason.index("kernel bf16"):] if "kernel bf16" in reason else reason  # engine.note's text
+    note = reason[reason.index("kernel bf16"):] if "kernel bf16" in reason else reason  # the run's kernel note
 
     H, F, R = args.hidden, round(args.hidden * 13824 / 5120), args.rank
     model, sd, shapes = build(torch, H, F, R, args.blocks, dt)

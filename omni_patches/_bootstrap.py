@@ -11,19 +11,17 @@ interpreter of the environment.
 """
 import os
 
-_OFF = ("", "0", "false", "no", "off")
+from . import flags  # stdlib-only: the one on/off parser (the .pth line inlines its "off" words: tests compare)
 
 
 def start():
     """PEP 829 entry point (``omni_patches._bootstrap:start``): same rules as the .pth line."""
-    if os.environ.get("OMNI_PATCHES", "0").strip().lower() not in _OFF:
+    if flags.parse(os.environ.get(flags.MASTER)) is not False:
         pth_hook(source="start")
 
 
 def pth_hook(source="pth"):
     try:
-        from . import flags
-
         value = flags.parse(os.environ.get(flags.MASTER))
         if value is None:
             from . import log
@@ -39,7 +37,7 @@ def pth_hook(source="pth"):
 
             activate(source=source)
     except Exception:
-        if os.environ.get("OMNI_PATCHES_STRICT", "").strip().lower() in ("1", "true", "yes", "on"):
+        if flags.strict():
             raise
         try:
             from . import log

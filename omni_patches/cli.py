@@ -7,7 +7,7 @@ import sys
 import time
 
 from . import __version__, engine, envcheck, flags, reports
-from .states import State
+from .states import State, is_skipped
 
 
 def _requires(st):
@@ -53,7 +53,7 @@ def _environment():
 
 
 def _skipped(state):
-    return str(state).startswith("skipped:")
+    return is_skipped(state)
 
 
 def _gone_hint(shown, use_ray):
@@ -170,7 +170,7 @@ def cmd_all_processes(args):
         ids.extend(i for i in r.get("patches", {}) if i not in ids)
     omitted = []
     if not getattr(args, "all_patches", False):  # a column per patch that applies somewhere on this stack
-        omitted = [i for i in ids if all(_skipped(r.get("patches", {}).get(i, {}).get("state", "skipped:"))
+        omitted = [i for i in ids if all(_skipped(r.get("patches", {}).get(i, {}).get("state", State.DISABLED))
                                          for r in shown if "error" not in r)]
         ids = [i for i in ids if i not in omitted]
     head = ("node", "node id", "pid", "rank", "role", "instance") if use_ray else ("pid", "group", "rank", "role",

@@ -44,10 +44,10 @@ class PatchContext:
         self.target = target
         self.module = module
         self.installed = dict(installed)
-        if run is None:  # a context built by hand (a test applying a patch directly): notes go nowhere
-            from .runs import Detached
+        if run is None:  # a context built by hand (a test applying a patch directly): a record of its own
+            from .runs import PatchRun
 
-            run = Detached(spec.id)
+            run = PatchRun.standalone(spec.id)
         self.run = run  # the patch's run-time record (omni_patches.runs.PatchRun): keep call-time state there
         self.dry_run = dry_run
         self._sink = sink if sink is not None else []

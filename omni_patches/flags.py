@@ -14,8 +14,8 @@ SETTINGS = {
     "OMNI_PATCHES_LORA_CPU_FUSED_KERNEL": "auto|addmm|fp32: kernel of lora-cpu-fused-delta (default auto)",
 }
 
-_ON = frozenset(("1", "true", "yes", "on"))
-_OFF = frozenset(("", "0", "false", "no", "off"))
+ON_WORDS = frozenset(("1", "true", "yes", "on"))
+OFF_WORDS = frozenset(("", "0", "false", "no", "off"))  # the .pth line inlines these (tests/test_engine.py checks)
 
 
 SHOWN = 200  # characters of a value quoted in a message: a 100 KB variable must not flood every log line
@@ -33,9 +33,9 @@ def parse(value):
     if value is None:
         return False
     v = value.strip().lower()
-    if v in _ON:
+    if v in ON_WORDS:
         return True
-    if v in _OFF:
+    if v in OFF_WORDS:
         return False
     return None
 

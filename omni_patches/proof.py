@@ -43,6 +43,8 @@ import os
 import sys
 import time
 
+from .states import State
+
 INSTANCE = "OMNI_PATCHES_INSTANCE"
 KV_NAMESPACE = "omni_patches"
 
@@ -543,7 +545,7 @@ def _update_gauge(patches):
             return
         _gauge = (pc.REGISTRY, gauge)
     for pid, info in patches.items():
-        _gauge[1].labels(patch=pid).set(1 if info["state"] == "applied" else 0)
+        _gauge[1].labels(patch=pid).set(1 if info["state"] == State.APPLIED else 0)
 
 
 def _register(pc):

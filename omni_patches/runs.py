@@ -32,6 +32,14 @@ class PatchRun:
         self.data = {}  # the patch's own per-activation state (e.g. objects to restore at undo)
         self._lock = threading.Lock()
 
+    @classmethod
+    def standalone(cls, patch_id):
+        """A record outside any activation: for a patch's builder called directly (a test, a benchmark); what
+        it notes stays on the object."""
+        from .gates import Decision
+
+        return cls(patch_id, Decision(State.APPLIED, "outside the engine", {}, True))
+
     def set(self, state, reason, cause=None):
         self.state, self.reason, self.cause = State(state), reason, cause
 
@@ -93,20 +101,3 @@ class PatchRun:
         with self._lock:
             n = self.counts[key] = self.counts.get(key, 0) + 1
         return n
-
-
-class Detached:
-    """Stands for ``ctx.run`` where no engine run exists (a patch module's function called directly, e.g. by a
-    benchmark): notes and fallbacks go nowhere, counters still count."""
-
-    def __init__(self, patch_id):
-        self.patch_id, self.notes, self.fallbacks, self.counts, self.data = patch_id, {}, [], {}, {}
-
-    def note(self, text, key=None):
-        return False
-
-    def fallback(self, reason):
-        return False
-
-    count, stock = PatchRun.count, PatchRun.stock
-    _lock = threading.Lock()

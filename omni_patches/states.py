@@ -27,7 +27,7 @@ class State(_Word):
 
     @property
     def skipped(self):
-        return self.value.startswith("skipped:")
+        return is_skipped(self)
 
 
 class Cause(_Word):
@@ -46,3 +46,9 @@ class Cause(_Word):
 STATES = tuple(State)
 # A needed patch in one of these leaves the patch that needs it correct (see reports.needed_problem).
 HARMLESS_CAUSES = (Cause.FIXED_UPSTREAM, Cause.NOT_AFFECTED)
+
+
+def is_skipped(word):
+    """Whether a state word -- a :class:`State`, or the text of one read back from a process record -- is one of
+    the ``skipped:*`` states."""
+    return str(word).startswith("skipped:")

@@ -54,10 +54,9 @@ def test_contract(case_module, kind, index):
 
 # -- the call-time rule's mechanism (PatchRun.fallback, reached as ctx.run), without a target ----------------------
 def _run(patch_id="p"):
-    from omni_patches.gates import Decision
     from omni_patches.runs import PatchRun
 
-    return PatchRun(patch_id, Decision("applied", "", {}, True))
+    return PatchRun.standalone(patch_id)
 
 
 def test_fallback_is_noted_and_logged_once_per_reason(mocker):

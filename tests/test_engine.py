@@ -6,6 +6,7 @@ import pickle
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -738,3 +739,18 @@ def test_run_time_note_shows_in_status_and_the_process_record(shim, tmp_path):
         rec = json.load(fh)
     assert "kernel bf16: addmm_ (test)" in rec["patches"]["fake-double"]["reason"]
     assert engine.run("no-such-patch") is None
+
+
+def test_the_pth_line_inlines_the_one_on_off_parser():
+    """The .pth line cannot import anything before deciding (zero cost when off), so it inlines the "off" words;
+    they must be flags' own, so the line and the package never disagree on a value."""
+    import ast
+    import re
+
+    from omni_patches import flags
+
+    line = (Path(omni_patches.__file__).parent / "omni_patches.pth").read_text()
+    inlined = ast.literal_eval(re.search(r"\.strip\(\)\.lower\(\) in (\([^)]*\))", line).group(1))
+    assert set(inlined) == flags.OFF_WORDS
+    for word in [*flags.OFF_WORDS, *flags.ON_WORDS, " On ", "maybe"]:
+        assert (word.strip().lower() in inlined) is (flags.parse(word) is False), word

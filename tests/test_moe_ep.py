@@ -433,8 +433,9 @@ def ascend(mocker, monkeypatch):
     warned (log at WARNING + status note)."""
     import sys
 
-    from omni_patches import engine, log, versions
+    from omni_patches import log, versions
     from omni_patches.patches import moe_ep_parallel_mapping as mod
+    from omni_patches.runs import PatchRun
 
     monkeypatch.delenv(CP_ENV, raising=False)
     monkeypatch.delitem(sys.modules, "vllm_ascend.utils", raising=False)
@@ -443,14 +444,13 @@ def ascend(mocker, monkeypatch):
         mocker.patch.object(versions, "installed", return_value=("vllm-ascend", version) if version else (None, None))
         if utils is not None:
             monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
-        once, note = mocker.spy(log, "once"), mocker.spy(engine, "note")
-        mod._warn_ascend_context_parallel_off()
+        once, run = mocker.spy(log, "once"), PatchRun.standalone(PATCH_ID)
+        mod._warn_ascend_context_parallel_off(run)
         warned = [c for c in once.call_args_list if c.args[1] == (PATCH_ID, "ascend-cp")]
-        assert len(warned) == note.call_count <= 1
+        assert len(warned) == len(run.notes) <= 1
         if warned:
             assert warned[0].args[0] == 30 and CP_ENV in warned[0].args[3]
-            assert note.call_args.args[0] == PATCH_ID and CP_ENV in note.call_args.args[1]
-            assert note.call_args.kwargs["key"] == "ascend-context-parallel"
+            assert list(run.notes) == ["ascend-context-parallel"] and CP_ENV in run.notes["ascend-context-parallel"]
         mocker.stopall()
         return bool(warned)
 
@@ -506,7 +506,7 @@ def test_ascend_warning_never_raises(mocker):
     from omni_patches.patches import moe_ep_parallel_mapping as mod
 
     mocker.patch.object(versions, "installed", side_effect=RuntimeError("metadata broken"))
-    mod._warn_ascend_context_parallel_off()
+    mod._warn_ascend_context_parallel_off(mocker.Mock())
 
 
 def test_dp_metadata_builder_follows_the_field_set():

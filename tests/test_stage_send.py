@@ -126,6 +126,13 @@ class _Manager:
         self.proc = _Proc(alive)
 
 
+def _run():
+    """The patch's run-time record, as the engine gives it (ctx.run)."""
+    from omni_patches.runs import PatchRun
+
+    return PatchRun.standalone("omni-stage-send-dead-engine")
+
+
 class _Dead(Exception):
     pass
 
@@ -162,7 +169,7 @@ def test_no_room_while_the_process_lives_waits_and_sends_once(zmq, push, tmp_pat
     timer = threading.Timer(0.35, lambda: pull.connect(f"ipc://{tmp_path}/req"))  # the peer comes up late
     timer.start()
     try:
-        wrapper = p._sender(_Dead, zmq, rpc=True)
+        wrapper = p._sender(_run(), _Dead, zmq, rpc=True)
         assert asyncio.run(wrapper(stock, client, (), {})) == "sent"
         assert stock.call_count >= 2  # at least one try found no room
         assert pull.poll(5000) and pull.recv() == b"msg" and not pull.poll(200)
@@ -196,7 +203,7 @@ def test_resume_forwards_what_the_loop_sends_and_throws(zmq, push, tmp_path):
             raise
 
     client = _Client(push)
-    wrapper = p._sender(_Dead, zmq, rpc=False)
+    wrapper = p._sender(_run(), _Dead, zmq, rpc=False)
 
     async def main():
         task = asyncio.ensure_future(wrapper(lambda: _send_then(push, later)(client), client, (), {}))
@@ -212,10 +219,9 @@ def test_resume_forwards_what_the_loop_sends_and_throws(zmq, push, tmp_path):
 
 @pytest.mark.parametrize("what", ["no-socket", "closed-socket", "no-flag", "no-manager"])
 def test_unexpected_clients_run_the_stock_call(zmq, push, what, mocker):
-    from omni_patches import context
     from omni_patches.patches import omni_stage_send_dead_engine as p
 
-    fallback = mocker.spy(context, "fallback")
+    run = _run()
     client = _Client(push)
     if what == "no-socket":
         client._request_socket = None
@@ -233,10 +239,11 @@ def test_unexpected_clients_run_the_stock_call(zmq, push, what, mocker):
         return ("stock", args, kwargs)
 
     wrapped = mocker.Mock(side_effect=stock)
-    for wrapper in (p._sender(_Dead, zmq, rpc=True), p._aborter(zmq)):
+    for wrapper in (p._sender(run, _Dead, zmq, rpc=True), p._aborter(run, zmq)):
         assert asyncio.run(wrapper(wrapped, client, (1,), {"k": 2})) == ("stock", (1,), {"k": 2})
     assert wrapped.call_count == 2
-    assert fallback.call_count == 2 and fallback.call_args.args[0] == p.PATCH_ID
+    # one reason for both calls, noted once in status
+    assert len(run.fallbacks) == 1 and list(run.notes.values()) == [f"ran the original code: {run.fallbacks[0]}"]
 
 
 def test_stock_errors_propagate_and_the_socket_option_is_restored(zmq, push):
@@ -248,5 +255,5 @@ def test_stock_errors_propagate_and_the_socket_option_is_restored(zmq, push):
         raise RuntimeError("upstream's own failure")
 
     with pytest.raises(RuntimeError, match="upstream's own failure"):
-        asyncio.run(p._sender(_Dead, zmq, rpc=False)(stock, _Client(push), (), {}))
+        asyncio.run(p._sender(_run(), _Dead, zmq, rpc=False)(stock, _Client(push), (), {}))
     assert push.getsockopt(zmq.SNDTIMEO) == 250

@@ -106,10 +106,9 @@ def test_patch_module_imports_without_zmq():
 # --------------------------------------------------------------------------------------------------
 def _run():
     """The patch's run-time record, as the engine gives it (ctx.run)."""
-    from omni_patches.gates import Decision
     from omni_patches.runs import PatchRun
 
-    return PatchRun("omni-stage-shutdown-nonblocking", Decision("applied", "", {}, True))
+    return PatchRun.standalone("omni-stage-shutdown-nonblocking")
 
 
 class _Client:

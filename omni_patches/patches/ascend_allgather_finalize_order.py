@@ -247,8 +247,13 @@ def prepare_facts(func):
 
 
 # -- the replacement -------------------------------------------------------------------------------
-def make_finalize(original, module_globals, layout):
-    """Our ``_finalize_with_dp_group``: PCP reduce-scatter first when both steps run, else the stock one."""
+def make_finalize(original, module_globals, layout, run=None):
+    """Our ``_finalize_with_dp_group``: PCP reduce-scatter first when both steps run, else the stock one.
+    ``run``: the patch's record (``ctx.run``) its fallbacks go to (None: a test building it directly)."""
+    if run is None:
+        from ..runs import PatchRun
+
+        run = PatchRun.standalone(PATCH_ID)
     shared_term, guard = layout.shared_term, layout.guard
     pcp_slice = layout.pcp_slice or layout.prepare_pads_pcp
     g = module_globals
@@ -266,10 +271,8 @@ def make_finalize(original, module_globals, layout):
                 dp_group = g["get_dp_group"]()
         except Exception as exc:  # something this patch did not expect: the stock method decides
             both = False
-            from ..context import fallback
-
-            fallback(PATCH_ID, f"reading the layer's DP/PCP configuration or groups raised {type(exc).__name__}: "
-                               "the stock finalize ran")
+            run.fallback(f"reading the layer's DP/PCP configuration or groups raised {type(exc).__name__}: the "
+                         "stock finalize ran")
         if not both:
             return stock(self, hidden_states, reduce_results)
         # Undo prepare's gathers in reverse: PCP (the last gather) first, then DP.
@@ -319,4 +322,4 @@ def apply(ctx):
         return
     layout = _layout(ctx)
     module_globals = vars(ctx.module)
-    ctx.replace(CLASS, METHOD, lambda original: make_finalize(original, module_globals, layout))
+    ctx.replace(CLASS, METHOD, lambda original: make_finalize(original, module_globals, layout, ctx.run))

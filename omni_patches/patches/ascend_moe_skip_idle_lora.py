@@ -204,10 +204,10 @@ def _unreadable(run):
 
 def _compile(original, body, ns, run=None):
     """``run``: the patch's record (``ctx.run``) that notes and fallbacks go to; None (a benchmark or a test
-    calling the builder directly): nowhere."""
-    from ..runs import Detached
+    calling the builder directly): a standalone one."""
+    from ..runs import PatchRun
 
-    run = Detached(PATCH_ID) if run is None else run
+    run = PatchRun.standalone(PATCH_ID) if run is None else run
     ns.update(_orig=original, _KINDS=_KINDS, _learn=functools.partial(_learn, run), _ALWAYS=ALWAYS, _PREFILL=PREFILL,
               _unreadable=functools.partial(_unreadable, run))
     exec(compile(body, f"<omni-patches {PATCH_ID} {original.__qualname__}>", "exec"), ns)

@@ -348,13 +348,14 @@ def _accumulate(param, node, sign):
 # ----------------------------------------------------------------------------------------------- status
 
 def _run():
-    """The patch's record for the load/unload call under way (notes, fallbacks, the path totals)."""
+    """The patch's record for the load/unload call under way (notes, fallbacks, the path totals); outside one
+    (a test driving the stand-ins directly) a standalone record."""
     call = lc.FUSED.get()
     if call is not None and call.run is not None:
         return call.run
-    from ..runs import Detached
+    from ..runs import PatchRun
 
-    return Detached(PATCH_ID)
+    return PatchRun.standalone(PATCH_ID)
 
 
 def _count(label):

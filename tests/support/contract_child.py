@@ -39,6 +39,48 @@ def _changed(before, after):
     return sorted(f"{m}:{k}" for m, k in keys if before.get((m, k), KeyError) is not after.get((m, k), KeyError))
 
 
+def _wrapped_once(pid, snapshot, changed):
+    for item in changed:
+        mname, _, attr = item.partition(":")
+        value = snapshot.get((mname, attr))
+        if value is not None and not attr.startswith("__omni"):
+            layers = wrapping.installed_by(value)
+            assert layers.count(pid) <= 1, f"{item} wrapped {layers.count(pid)} times"
+
+
+def _layers(snapshot, item):
+    mname, _, attr = item.partition(":")
+    value = snapshot.get((mname, attr))
+    return wrapping.installed_by(value) if value is not None else []
+
+
+def _reload(pid, mods, changed, applied):
+    """``importlib.reload`` of a patched target re-executes it. Where that leaves stock code behind (a function
+    or class it defines), status must not say applied (``reverted``), and ``engine.reapply`` applies it once
+    more, wrapped once; what the module only imports from elsewhere stays patched, and applied. Some real
+    modules cannot be executed twice in one process (a registry that refuses a second registration): then
+    that is reported."""
+    name = next(n for n in mods if any(c.startswith(n + ":") for c in changed))
+    try:
+        importlib.reload(mods[name])
+    except Exception as exc:
+        return f"{name} cannot be reloaded here ({type(exc).__name__}: {exc})"
+    ours = [c for c in changed if c.startswith(name + ":") and pid in _layers(applied, c)]  # what carries a mark
+    now = _snapshot(mods)
+    stock = [c for c in ours if pid not in _layers(now, c)]
+    st = _status(pid)
+    if not stock:
+        assert st.state == "applied", f"importlib.reload({name}) left every patched attribute in place: {st}"
+        return f"{name}: reloaded, every patched attribute still in place (not defined by its code, or a loader that does not re-execute)"
+    assert st.state == "reverted", f"after importlib.reload({name}) {stock} are stock, status says {st.state}: " \
+                                   f"{st.reason}"
+    assert engine.reapply(mods[name]).get(pid) == "applied", _status(pid)
+    now = _snapshot(mods)
+    assert not [c for c in stock if pid not in _layers(now, c)], "reapply left stock attributes"
+    _wrapped_once(pid, now, changed)
+    return f"{name}: {len(stock)} attribute(s) stock after the reload: reverted, then applied again"
+
+
 def _status(pid):
     return {s.id: s for s in omni_patches.status()}[pid]
 
@@ -153,12 +195,7 @@ def main(case_module, kind, index):
         return
 
     assert changed, "applied but nothing in the target modules changed"
-    for item in changed:
-        mname, _, attr = item.partition(":")
-        value = applied.get((mname, attr))
-        if value is not None and not attr.startswith("__omni"):
-            layers = wrapping.installed_by(value)
-            assert layers.count(case.patch_id) <= 1, f"{item} wrapped {layers.count(case.patch_id)} times"
+    _wrapped_once(case.patch_id, applied, changed)
     # Applies once: activation twice, and the import hook firing again, change nothing.
     assert omni_patches.activate() is False
     for name, mod in mods.items():
@@ -169,6 +206,16 @@ def main(case_module, kind, index):
     assert omni_patches.unapply(case.patch_id) is True
     restored = _snapshot(mods)
     assert not _changed(before, restored), f"unapply left {_changed(before, restored)}"
+    # patch -> unpatch -> patch: a new activation applies again, to the same attributes, once.
+    engine.deactivate()
+    assert omni_patches.activate() is True
+    st = _status(case.patch_id)
+    assert st.state == "applied", f"applied again after undo: {st.state}: {st.reason}"
+    again = _snapshot(mods)
+    assert sorted(_changed(before, again)) == sorted(changed), (changed, _changed(before, again))
+    _wrapped_once(case.patch_id, again, changed)
+    report["reload"] = _reload(case.patch_id, mods, changed, again)
+    assert omni_patches.unapply(case.patch_id) is True
     report.update(changed=changed, ok=True)
     print("CONTRACT " + json.dumps(report))
 
