@@ -13,8 +13,8 @@ How:         the ``LoraLoaderMixin`` load/unload classmethods are wrapped to ope
              computed on CPU, upstream's own loop runs on tensor-like stand-ins that record ``B @ A`` (per
              shard) instead of computing it, and the loop's ``param.add_(delta)`` / ``sub_`` becomes an
              in-place accumulate by the kernel chosen once per process and dtype: ``W.addmm_(B, A)`` where the
-             CPU multiplies the dtype natively, else fp32 row blocks (``OMNI_PATCHES_LORA_CPU_FUSED_KERNEL=
-             addmm|fp32`` overrides; omni_patches/patches/_lora_cpu_kernels.py). vLLM's parameter classes are
+             CPU multiplies the dtype natively, else fp32 row blocks (omni_patches/patches/_lora_cpu_kernels.py;
+             ``OMNI_PATCHES_LORA_CPU_FUSED_KERNEL=addmm|fp32`` overrides). vLLM's parameter classes are
              written through a ``TorchFunctionMode``; other tensor subclasses, non-float weights and any
              unknown use of a stand-in take the stock path. Details: docs/patches.md.
 Remove when: upstream fuses LoRA deltas in place on CPU, or vllm-omni stops merging LoRA on CPU.
