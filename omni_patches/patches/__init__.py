@@ -1,14 +1,18 @@
 """One module per patch. Each opens with its record and defines ``apply(ctx)`` (and optionally ``check(ctx)``).
 
-Record (the module docstring; ``tests/test_records.py`` checks it mirrors ``patches.toml``)::
+Record (the module docstring; ``tests/test_records.py`` checks it mirrors ``patches.toml`` and fits a screenful:
+at most 25 lines, these fields in this order)::
 
     <patch-id>: <one-line summary>
 
-    Fixes:       what goes wrong without it (symptom, numbers)
+    Why:         the bug and its symptom, in 2-4 lines
     Upstream:    PR / issue URLs (every URL of the registry's ``upstream`` list)
     Affected:    <dist> <specifier> (the registry's ``requires``); fixed upstream in <dist> <version>
-    How:         what is wrapped, and why this technique
+    How:         the mechanism in a few lines: what is wrapped, and why this technique
     Remove when: the condition under which the patch can be deleted
+
+Measurements, layouts per version, detailed reasoning and how the patch is tested go to its ``## `<patch-id>```
+section in ``docs/patches.md``.
 
 Contract with the engine (:mod:`omni_patches.context`):
 

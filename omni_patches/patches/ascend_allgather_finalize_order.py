@@ -1,48 +1,25 @@
 """ascend-allgather-finalize-order: reduce-scatter AllGather MoE outputs over PCP, then DP (the reverse of prepare)
 
-Fixes:       with DP > 1 and PCP > 1 on the AllGather MoE path, ``PrepareAndFinalizeWithAllGather.
-             _prepare_with_dp_group`` all-gathers the tokens over DP and then over PCP (flattened token axis:
-             PCP-major, DP-minor), but ``_finalize_with_dp_group`` reduce-scatters over DP first and PCP second.
-             Each rank then keeps another rank's token slice and the wrong length (len/PCP rows instead of
-             its own), and vLLM fails adding routed and shared expert outputs ("The size of tensor a (...)
-             must match the size of tensor b (...) at non-singleton dimension 0"), or the PCP reduce-scatter
-             itself fails on a length not divisible by PCP. ``moe-ep-parallel-mapping`` makes exactly this
-             layout (diffusion SP -> vLLM PCP, CFG·DP -> vLLM DP; HunyuanImage-3 PCP2·DP2·EP4).
+Why:         with DP > 1 and PCP > 1 on the AllGather MoE path, ``PrepareAndFinalizeWithAllGather`` all-gathers
+             the tokens over DP and then over PCP, but ``_finalize_with_dp_group`` reduce-scatters over DP first
+             and PCP second: each rank keeps another rank's token slice at the wrong length ("The size of tensor
+             a (...) must match the size of tensor b (...) at non-singleton dimension 0"), or the PCP
+             reduce-scatter fails on a length not divisible by PCP. ``moe-ep-parallel-mapping`` makes exactly
+             this layout (HunyuanImage-3 PCP2·DP2·EP4).
 Upstream:    https://github.com/vllm-project/vllm-ascend/pull/11921 ("Fix AllGather MoE finalize order with DP
              and PCP": PCP reduce-scatter + slice to the pre-PCP-gather count, then DP reduce-scatter + slice
              to the pre-DP-gather count)
-Affected:    vllm-ascend >=0.13.0rc1,<0.24.0rc1 (every release file checked: 0.13.0rc1-0.20.2rc1 with the PCP
-             step behind ``prefill_context_parallel_enable()``, 0.21.0rc1, 0.22.1rc1, 0.23.0rc1, 0.23.0,
-             0.23.0.post1); fixed upstream in vllm-ascend 0.24.0rc1 (0.24.0rc1-0.30.0rc2 reduce-scatter PCP
-             first). 0.12.0rc1 has the same bug plus a trailing TP all-reduce in the method and is left out.
-             Pairs that need it together with ``moe-ep-parallel-mapping`` (vllm-omni 0.18.0-0.24.0rc1): every
-             vllm-ascend 0.13.0rc1-0.23.0.post1 (omni 0.18.0 + ascend 0.18.0rc1/0.18.0, 0.20.0 + 0.20.2rc1,
-             0.21.0rc1 + 0.21.0rc1, 0.22.0 + 0.22.1rc1, 0.23.0rc1 + 0.23.0/0.23.0.post1); with vllm-ascend
-             0.24.0rc1+ the EP patch alone suffices. On 0.13-0.20 both PCP steps (prepare and finalize) run
-             only with context parallel on (``VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1``; 0.20 also
-             ``additional_config.enable_context_parallel``); off, prepare gathers nothing over PCP, the stock
-             method (DP step only) matches it and runs unchanged -- but with EP over DP·PCP a token then
-             reaches only the experts of its own PCP index (no error): EP+SP users there need the switch.
-How:         ``ctx.replace`` of ``PrepareAndFinalizeWithAllGather._finalize_with_dp_group`` (a class attribute;
-             ``finalize`` calls it through ``self``) with our own plain function. Only when both the DP step
-             and the PCP step would run -- evaluated with the release's own conditions (``dp_size > 1`` and,
-             where the release has it, ``not enable_shared_expert_dp``; ``pcp_size > 1`` and, on 0.13-0.20,
-             ``prefill_context_parallel_enable()``) -- it runs PCP ``reduce_scatter(x, dim=0)``, keeps the
-             first ``num_tokens_pcp`` rows (where prepare pads for PCP, 0.16+; 0.13-0.15 never pad nor set
-             ``num_tokens_pcp``, so there is nothing to cut), then DP
-             ``reduce_scatter(x, 0)`` and keeps the first ``num_tokens`` rows: upstream's collectives, groups
-             (``get_pcp_group()`` / ``get_dp_group()`` looked up in the target module at call time), order and
-             slices. In every other case it calls the stock method (order cannot matter there). Everything it
-             reads is read before the first collective; if any of it is missing it calls the stock method, so
-             it never fails for a reason of its own and never runs a collective twice. Replacing the method
-             rather than wrapping it: a wrapper cannot reorder two collectives inside the stock body, and
-             this function adds one attribute check per MoE layer on the stock paths.
-             Detection (works on ``omni-patches audit`` skeletons too): the method's source is parsed and
-             must be exactly one DP branch and one PCP branch (reduce-scatter + slice) and ``return``; the
-             branch order decides -- PCP first is ``fixed upstream``, DP first applies, anything else is
-             drift; the order of ``get_dp_group``/``get_pcp_group`` in ``co_names`` must agree with the
-             source, and ``_prepare_with_dp_group`` must all-gather over DP before PCP. Without readable
-             source, ``co_names`` alone can still say "fixed"; otherwise it is drift.
+Affected:    vllm-ascend >=0.13.0rc1,<0.24.0rc1; fixed upstream in vllm-ascend 0.24.0rc1. Needed together with
+             ``moe-ep-parallel-mapping`` (vllm-omni 0.18.0-0.24.0rc1) on every vllm-ascend 0.13.0rc1-0.23.0.post1;
+             with vllm-ascend 0.24.0rc1+ the EP patch alone suffices. On 0.13-0.20 the PCP steps run only with
+             ``VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1`` (EP+SP users there need the switch).
+How:         ``ctx.replace`` of ``PrepareAndFinalizeWithAllGather._finalize_with_dp_group`` with our own plain
+             function (a wrapper cannot reorder two collectives inside the stock body). Only when both the DP
+             step and the PCP step would run (the release's own conditions) it reduce-scatters over PCP, keeps
+             ``num_tokens_pcp`` rows, then over DP and keeps ``num_tokens`` rows: upstream's collectives,
+             groups, order and slices. In every other case, or if anything it reads is missing, it calls the
+             stock method. Fixed by version and by feature: the order of the two reduce-scatters in the
+             method's source (which ``audit`` reads from skeletons too). Details: docs/patches.md.
 Remove when: the oldest supported vllm-ascend is 0.24.0rc1 or later
 """
 import ast

@@ -1,6 +1,6 @@
 """ascend-execute-model-timeout: raise vLLM's execute_model timeout default (300 s) above the HCCL operator timeout (1836 s) on Ascend
 
-Fixes:       vLLM's multiprocessing executor waits ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (default 300 s) for the
+Why:         vLLM's multiprocessing executor waits ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (default 300 s) for the
              workers' ``execute_model`` / ``sample_tokens`` replies, while an HCCL collective may legitimately
              wait up to the HCCL operator timeout (1836 s). With DP/TP engines on Ascend the RPC gives up first:
              the engine times out and the communication hangs without logs.
@@ -9,30 +9,15 @@ Upstream:    https://github.com/vllm-project/vllm-ascend/pull/13233 (main) and
              ``_fix_incompatible_config`` (run by ``NPUPlatform.check_and_update_config``), a value below 1836
              becomes 3000, set as an attribute of ``vllm.envs`` (in-process only).
 Affected:    vllm-ascend >=0.9.2rc1,<0.27.1rc1: every release on the index in that range except 0.23.0 and
-             0.23.0.post1, which carry the fix (skipped as fixed by feature). Verified on the real files:
-             no vllm_ascend file of 0.9.2rc1-0.22.1rc1, 0.23.0rc1 or 0.24.0rc1-0.26.0rc1 mentions the variable
-             (0.12.0rc1-0.15.0rc1 set it by hand in their own nightly e2e tests), and the vLLM each pairs with
-             (0.9.2-0.26.0) reads it in ``MultiprocExecutor.execute_model`` (``envs.py``:
-             ``int(os.getenv(name, "300"))``). Below the range the bug is there but out of reach: vLLM
-             0.8.5-0.9.1 (vllm-ascend <=0.9.1) wait a module constant (``EXECUTE_MODEL_TIMEOUT_S``: 40 s in
-             0.8.5, 300 s in 0.9.0-0.9.1) that no environment variable changes. The bug is
-             fixed upstream in vllm-ascend 0.27.1rc1 (and 0.23.0 on the v0.23 line)
-How:         when ``vllm_ascend.platform`` is imported -- in every vLLM process on Ascend (vLLM resolves
-             ``current_platform`` to it in the front end, the engine core and each worker), before any
-             executor exists -- and ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` is unset, set it to upstream's 3000
-             in ``os.environ`` (inherited by every process started afterwards: engine core, workers, fork or
-             spawn; vLLM's Ray executor copies every registered ``VLLM_*`` variable to its actors) and, as
-             upstream does, as an attribute of ``vllm.envs`` (wins over an env cache frozen earlier in this
-             process). vLLM reads the variable per call through ``envs.__getattr__``, cached (vLLM 0.12+)
-             only after engine start-up (``enable_envs_cache``), so the default is in place before the first
-             read. A value the user set is never changed (upstream raises one below 1836 to 3000): below
-             1836 (upstream's threshold) or not an integer it is kept with a warning, once per process. A
-             child that inherits our 3000 sees exactly the value this patch sets and reports it as already
-             in place, without a warning. Feature detection: any function or ``NPUPlatform`` method of the
-             platform module that references the variable means the fix is there (fixed upstream); vLLM not
-             defining the variable is drift; vLLM's own default at or above 1836 means fixed upstream (in
-             vLLM). Undo restores both the environment and ``vllm.envs`` exactly (a value changed since is
-             left alone).
+             0.23.0.post1, which carry the fix (skipped as fixed by feature). The bug is
+             fixed upstream in vllm-ascend 0.27.1rc1 (and 0.23.0 on the v0.23 line). vllm-ascend <=0.9.1
+             (vLLM 0.8.5-0.9.1) waits a module constant that no environment variable changes: out of reach.
+How:         when ``vllm_ascend.platform`` is imported (in every vLLM process on Ascend, before any executor
+             exists) and the variable is unset, set it to upstream's 3000 in ``os.environ`` (inherited by the
+             engine core and every worker, fork or spawn; copied to Ray actors like every registered ``VLLM_*``
+             variable) and, as upstream does, as an attribute of ``vllm.envs``. A value the user set is never
+             changed (upstream raises one below 1836 to 3000): below 1836 or not an integer it is kept with a
+             warning, once per process. Undo restores both exactly. Details: docs/patches.md.
 Remove when: the oldest supported vllm-ascend is 0.27.1rc1 (0.23.0 on the v0.23 line)
 """
 import inspect

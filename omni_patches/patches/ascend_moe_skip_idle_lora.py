@@ -1,49 +1,25 @@
 """ascend-moe-skip-idle-lora: skip the MoE-LoRA work on the Ascend MoE runner when the batch has no LoRA token
 
-Fixes:       vllm-ascend's unquantized MoE path runs the LoRA branch whenever a context is attached
+Why:         vllm-ascend's unquantized MoE path runs the LoRA branch whenever a context is attached
              (``lora_context is not None``): routing recovery (argsort), the LoRA index all_to_all and both
-             LoRA kernels, even for a batch in which no token uses an adapter. The context is attached once,
-             when the LoRA wrappers are created, so every LoRA-enabled server pays it on every MoE layer of
-             every batch without LoRA tokens (reported upstream on NPU for an idle context: HunyuanImage-3
-             model.forward 3.79 -> 6.31 ms, e2e 5.43 -> 7.90 s).
+             LoRA kernels, even for a batch in which no token uses an adapter. Every LoRA-enabled server pays
+             it on every MoE layer of every batch without LoRA tokens.
 Upstream:    https://github.com/vllm-project/vllm-ascend/pull/10977 (the unquantized MoE-LoRA branch, keyed
              on ``lora_context is not None``) and https://github.com/vllm-project/vllm-ascend/pull/13365
-             (upstream's own gate, ``has_lora(ctx)`` = context and not ``punica_wrapper.no_lora``, with the NPU
-             punica wrapper recomputing ``no_lora`` on every update: quantized MoE path only). This patch is
-             that gate, applied to the unquantized path, trusting ``no_lora`` only where it is fresh.
-Affected:    vllm-ascend >=0.23.0rc1 (every release on PyPI from the first with the MoE-LoRA branch: 0.23.0rc1,
-             0.23.0, 0.23.0.post1, 0.24.0rc1, 0.25.1rc1, 0.26.0rc1, 0.27.1rc1, 0.28.0rc1, 0.29.0rc1, 0.30.0rc1,
-             0.30.0rc2; dev/rc/source builds included; 0.23.0rc1's ops/fused_moe differs from 0.23.0 only in
-             the quantized token-dispatcher path). Older code has no MoE-LoRA context: "not affected". Skipped as
-             fixed upstream by feature when the runner method or the function holding the unquantized LoRA
-             branch (``moe_mlp.unquant_apply_mlp`` up to 0.27, ``AscendUnquantizedFusedMoEMethod.apply_gmm1``
-             from 0.28) checks ``has_lora``/``no_lora`` itself (0.30.0rc2 has ``has_lora`` for the quantized
-             path only: still applies).
-How:         per forward, the runner method runs with the context hidden (restored in ``finally``, also when
-             the forward raises or ``set_lora_context`` ran meanwhile) only while ``punica_wrapper.no_lora`` is
-             True AND known fresh. vLLM's ``PunicaWrapperBase.update_metadata`` recomputes ``no_lora`` only for
-             prefill mappings (vLLM's GPU wrapper never does), so a no-LoRA prefill followed by a decode
-             mapping with adapters leaves it stale (True): trusting it would drop LoRA silently. Fresh means:
-             the wrapper class recomputes it on every update (vllm-ascend 0.27.1rc1+ ``PunicaWrapperNPU``,
-             #13365), or it is vLLM's prefill-only kind and the last mapping was a prefill
-             (``punica_wrapper.is_prefill is True``, a host attribute set by every update). The kind of a
-             wrapper class is read once from its ``update_metadata`` bytecode (stores of ``no_lora`` /
-             ``is_prefill``) and cached; unknown kinds are never trusted. Host bools only: no device sync,
-             ``token_lora_indices`` is never read, graph capture unaffected.
-             Where this removes work: vLLM LLM batches without LoRA tokens (vLLM V1 maps every batch with
-             ``is_prefill=True``, so on 0.23-0.26 too), and any mapping whose tokens are all slot 0 (no
-             adapter) where ``no_lora`` is recomputed (0.27.1rc1+: every mapping). vllm-omni's diffusion
-             manager maps every token to its adapter (``index_mapping=(1,)*n``, ``is_prefill=False``): there
-             ``no_lora`` is False or stale, so an idle diffusion adapter is ``moe-lora-idle-detach``'s job
-             (vllm-omni >=0.32.0rc1); the two patches compose (no context -> nothing for this one to hide).
-             Wrap point by feature (reported by ``describe``): 0.27.1rc1+ ``routed_experts.AscendRoutedExperts.
-             forward_impl`` (keyword-only, context on self); 0.24.0rc1-0.26.0rc1 (and 0.23 with a newer vLLM)
-             ``fused_moe.AscendMoERunner.no_shared_forward_impl``, context on ``self.routed_experts``; 0.23.x
-             with vLLM 0.23 ``AscendFusedMoE.forward_impl``, context on self; narrow fallback
-             ``moe_mlp.unquant_apply_mlp(lora_context=...)`` only when no runner method matches.
-             Technique: ``ctx.replace`` with a plain function generated from the original's exact signature
-             (this runs ~60 times per step; bench/moe_idle.py measures it against a do-nothing forwarder of
-             the same signature). Undo and idempotency come from the engine's replace.
+             (upstream's own gate, ``has_lora(ctx)``: quantized MoE path only). This patch is that gate,
+             applied to the unquantized path, trusting ``no_lora`` only where it is fresh.
+Affected:    vllm-ascend >=0.23.0rc1 (every release on PyPI from the first with the MoE-LoRA branch, 0.23.0rc1,
+             to 0.30.0rc2; dev/rc/source builds included). Skipped as fixed upstream by feature when the
+             runner method or the unquantized LoRA branch checks ``has_lora``/``no_lora`` itself.
+How:         per forward, the runner method runs with the context hidden (restored in ``finally``) only while
+             ``punica_wrapper.no_lora`` is True AND known fresh: the wrapper class recomputes it on every update
+             (vllm-ascend 0.27.1rc1+ ``PunicaWrapperNPU``), or it is vLLM's prefill-only kind and the last
+             mapping was a prefill (``is_prefill``); a stale ``no_lora`` would drop LoRA silently. Host bools
+             only: no device sync, graph capture unaffected. Wrap point by feature: 0.27.1rc1+
+             ``AscendRoutedExperts.forward_impl``; 0.24.0rc1-0.26.0rc1 ``AscendMoERunner.no_shared_forward_impl``;
+             0.23.x ``AscendFusedMoE.forward_impl``; fallback ``moe_mlp.unquant_apply_mlp``, replaced
+             (``ctx.replace``) by a plain function with the original's exact signature. An idle diffusion
+             adapter is ``moe-lora-idle-detach``'s job; the two compose. Details: docs/patches.md.
 Remove when: vllm-ascend gates the unquantized MoE-LoRA branch on ``has_lora(ctx)`` (with a fresh ``no_lora``)
              in every release this project supports
 """

@@ -1,22 +1,18 @@
 """lora-accel-delta: compute LoRA deltas (B @ A) on the local accelerator when the weights are on CPU
 
-Fixes:       vllm-omni 0.27-0.29 compute every LoRA delta ``B @ A`` on CPU, because the state dict comes
+Why:         vllm-omni 0.27-0.29 compute every LoRA delta ``B @ A`` on CPU, because the state dict comes
              from safetensors on CPU and the weights are still on CPU while the LoRA is fused (pre-sharding);
              a Wan2.2 transformer (800 keys, rank 64) takes 22 min on a 192-core Kunpeng host with
              OMP_NUM_THREADS=1 while the NPU sits idle.
 Upstream:    https://github.com/vllm-project/vllm-omni/pull/7590 (``_resolve_lora_compute_device``)
 Affected:    vllm-omni >=0.27.0rc1,<0.30.0rc1; fixed upstream in vllm-omni 0.30.0rc1
-How:         ``LoraLoaderMixin.load_lora_into_module`` / ``unload_module_lora`` (classmethods) are wrapped to
-             resolve the accelerator once per call: ``vllm_omni.diffusion.distributed.utils.get_local_device()``
-             looked up at call time, then probed with a one-element allocation, because it answers
-             ``npu:N``/``cuda:N`` even without a device; any failure means CPU (stock behaviour, no weight is
-             ever copied to a device that failed the probe). The module global ``_prepare_lora_delta`` is
-             replaced: while such a call is active it hands the original a read-only mapping view of the
-             state dict that moves each tensor it is asked for to the compute device -- the parameter's own
-             device when it is not on CPU, else the accelerator -- so upstream's own key matching runs
-             unchanged and ``B @ A`` happens on the device (0.27-0.29 only use ``in`` and ``[]`` on the
-             dict). The loop then copies the delta to the parameter as before. If the device path raises,
-             that parameter and the rest of the call use the CPU path.
+How:         ``LoraLoaderMixin.load_lora_into_module`` / ``unload_module_lora`` are wrapped to resolve the
+             accelerator once per call (``get_local_device()``, probed with a one-element allocation; any
+             failure means CPU: stock behaviour). The module global ``_prepare_lora_delta`` is replaced: while
+             such a call is active it hands the original a read-only view of the state dict that moves each
+             tensor it is asked for to the compute device, so upstream's own key matching runs unchanged and
+             ``B @ A`` happens on the device. If the device path raises, the rest of the call uses the CPU
+             path. Details: docs/patches.md.
 Remove when: the oldest supported vllm-omni is 0.30.0rc1 or later.
 """
 import collections.abc

@@ -1,45 +1,22 @@
 """lora-cpu-fused-delta: fuse CPU LoRA deltas into the weight in place (one multiply-accumulate, no temporary)
 
-Fixes:       on CPU the stock loader materialises ``delta = B @ A`` (a full weight-sized temporary, rounded to
-             the weight dtype), then adds it (rounded again). The patch accumulates ``B @ A`` into the
-             weight in place and rounds once, with the kernel that is fastest on the CPU it runs on
-             (omni_patches/patches/_lora_cpu_kernels.py): ``W.addmm_(B, A)`` in the weight dtype where the
-             CPU multiplies it natively (AMD EPYC with avx512_bf16: 0.23-0.25 of stock for 5120x5120 bf16,
-             rank 64), else an fp32 row-blocked accumulate (~2.5 MiB blocks, one rounding; Intel Xeon
-             without avx512_bf16: 0.35 of stock, where a bf16 ``addmm_`` is emulated and only 0.80-0.86).
-             fp32 weights always use ``addmm_``. Error against a float64 reference is no larger than
-             stock's. Opt-in: it changes how the weights are rounded (more accurately, but not
+Why:         on CPU the stock loader materialises ``delta = B @ A`` (a full weight-sized temporary, rounded to
+             the weight dtype), then adds it (rounded again). The patch accumulates ``B @ A`` into the weight
+             in place and rounds once, with the kernel that is fastest on the CPU it runs on (measured in
+             docs/patches.md). Opt-in: it changes how the weights are rounded (more accurately, but not
              bit-identically to stock).
 Upstream:    https://github.com/vllm-project/vllm-omni (no upstream PR: an optimisation beyond the seed fix
              https://github.com/vllm-project/vllm-omni/pull/7590, which only moves the matmul to an accelerator)
 Affected:    vllm-omni >=0.27.0rc1 (every loader version; on 0.30.0rc1+ only upstream's CPU branch changes)
 How:         the ``LoraLoaderMixin`` load/unload classmethods are wrapped to open a per-call context; the module
              global ``_prepare_lora_delta`` is replaced so that, for a CPU parameter whose delta would be
-             computed on CPU (no ``compute_device`` from upstream 0.30+, no accelerator chosen by
-             lora-accel-delta), the original runs on a view of the state dict whose tensors are tensor-like
-             stand-ins (``__torch_function__``): upstream's own key matching and ``torch.matmul``/``concat``
-             calls record ``B @ A`` (per shard for stacked qkv params) instead of computing it, the loop's
-             ``.to(param.device, param.dtype)`` is a no-op when nothing changes, and the loop's
-             ``param.add_(delta)`` / ``sub_`` becomes ``param[rows] += +1/-1 * B @ A`` per shard by the
-             chosen kernel (bias: ``add_``/``sub_`` per shard). The kernel is decided once per process and
-             dtype at first use: ``OMNI_PATCHES_LORA_CPU_FUSED_KERNEL=addmm|fp32`` if set, else the CPU's
-             capability (cpuinfo flags, oneDNN ISA cap, torch's CPU capability) confirmed by a timed probe
-             of both kernels (a few ms); the choice is logged once and noted in ``status``.
-             Weights: plain tensors and ``nn.Parameter``, and vLLM's parameter classes (``ModelWeightParameter``
-             etc., what vllm-omni's own DiT holds), whose ``__torch_function__`` defers to Parameter's disabled
-             handler and would hand the stand-in to ``add_`` unseen (issue 19: ``TypeError: add_(): argument
-             'other' ... must be Tensor, not _Stack`` at server start-up): while a module holding them loads, a
-             ``TorchFunctionMode`` takes ``add_``/``sub_`` of a stand-in first and writes through a plain view
-             of the parameter's storage. Any other tensor subclass (its own ``__torch_function__``,
-             ``__torch_dispatch__``, ``add_``/``sub_`` or ``data``) and non-float weights take the stock path.
-             Dtype pairs (bf16/fp16/fp32/fp64): the same dtype uses the chosen kernel; a LoRA narrower than
-             the weight (bf16 on fp32) ``addmm_`` of the factors widened exactly; any other pair (an fp32 LoRA
-             on bf16 weights: the loop's ``.to(param.dtype)`` is remembered, not done) row blocks in the wider
-             dtype (at least fp32): the factors are multiplied in their own precision as stock multiplies
-             them, and the weight is rounded once where stock rounds the product and then the sum.
-             ``status`` notes each pair's kernel and why, a running count of parameters per path, and (once per
-             reason) every input that ran the original code. Any other use of a stand-in (broadcasting, an
-             unknown op) computes the real delta exactly as stock does, so behaviour never depends on it.
+             computed on CPU, upstream's own loop runs on tensor-like stand-ins that record ``B @ A`` (per
+             shard) instead of computing it, and the loop's ``param.add_(delta)`` / ``sub_`` becomes an
+             in-place accumulate by the kernel chosen once per process and dtype: ``W.addmm_(B, A)`` where the
+             CPU multiplies the dtype natively, else fp32 row blocks (omni_patches/patches/_lora_cpu_kernels.py;
+             ``OMNI_PATCHES_LORA_CPU_FUSED_KERNEL=addmm|fp32`` overrides). vLLM's parameter classes are
+             written through a ``TorchFunctionMode``; other tensor subclasses, non-float weights and any
+             unknown use of a stand-in take the stock path. Details: docs/patches.md.
 Remove when: upstream fuses LoRA deltas in place on CPU, or vllm-omni stops merging LoRA on CPU.
 """
 import collections

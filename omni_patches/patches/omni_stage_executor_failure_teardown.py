@@ -1,27 +1,22 @@
 """omni-stage-executor-failure-teardown: tear a diffusion stage process down when its executor dies between requests
 
-Fixes:       StageDiffusionProc.run_loop tears the subprocess down (DIFFUSION_PROC_DEAD to the client, exit) on a
+Why:         StageDiffusionProc.run_loop tears the subprocess down (DIFFUSION_PROC_DEAD to the client, exit) on a
              fatal engine failure, but only notices one when a request or RPC fails on a dead executor. A
              worker that dies while the stage is idle (OOM kill, segfault, SIGKILL) leaves the process up and
-             its heartbeats healthy: the next request routed to it fails ("DiffusionExecutor is closed"), and
-             only then is the replica torn down. The executor already announces the death
-             (register_failure_callback, called from its worker-monitor thread); run_loop never listens.
-             Before 0.22.0 run_loop has no fatal-failure teardown at all (a different layout: not covered; the
-             failure is there, worse: a build of 0.20.0rc1-0.21.x without version metadata is called drifted,
-             with that reason. 0.18.0 has no stage subprocess).
+             its heartbeats healthy: the next request routed to it fails ("DiffusionExecutor is closed").
 Upstream:    https://github.com/vllm-project/vllm-omni (0.31.0rc1, vllm_omni/diffusion/stage_diffusion_proc.py:
-             ``StageDiffusionProc._watch_executor_failure``, called by run_loop right after it creates its
-             fatal event: the executor's failure callback marshals ``_signal_fatal_engine_failure("diffusion
-             executor failed")`` onto run_loop's event loop with ``call_soon_threadsafe`` (a closed loop is
-             ignored); an executor already dead signals "diffusion executor failed before run_loop started")
+             ``StageDiffusionProc._watch_executor_failure``: the executor's failure callback signals run_loop's
+             fatal engine failure on run_loop's event loop)
 Affected:    vllm-omni >=0.22.0,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
-             StageDiffusionProc._watch_executor_failure)
+             StageDiffusionProc._watch_executor_failure). Before 0.22.0 run_loop has no fatal-failure teardown
+             at all (not covered: an untagged 0.20.0rc1-0.21.x is drifted, with that reason; 0.18.0 has no
+             stage subprocess).
 How:         StageDiffusionProc.run_loop is wrapped (wrapt; it runs once per subprocess). Before the stock
-             coroutine starts, the wrapper registers the same callback on the engine's executor, and for an
-             executor already dead schedules the same signal with ``call_soon``; both run on the loop only
-             after run_loop's first await, when its fatal event exists, so upstream's own teardown path runs
-             unchanged (the loop breaks, DIFFUSION_PROC_DEAD is sent, the process exits). No executor: stock,
-             as upstream; an executor without register_failure_callback: stock, noted once in status.
+             coroutine starts, the wrapper registers the same callback on the engine's executor
+             (register_failure_callback), and for an executor already dead schedules the same signal; both run
+             on the loop only after run_loop's first await, when its fatal event exists, so upstream's own
+             teardown path runs unchanged. No executor: stock, as upstream; an executor without
+             register_failure_callback: stock, noted once in status.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import asyncio

@@ -1,30 +1,25 @@
 """omni-stage-send-dead-engine: raise EngineDeadError instead of hanging when a diffusion stage's subprocess is gone
 
-Fixes:       StageDiffusionClient.add_request_async, abort_requests_async and collective_rpc_async send on the
+Why:         StageDiffusionClient.add_request_async, abort_requests_async and collective_rpc_async send on the
              PUSH _request_socket the client binds, with a blocking send. When the StageDiffusionProc dies
-             (SIGKILL, OOM kill, segfault) before the client's monitor thread marks the engine dead, the
-             send has no peer and never returns: request submission, aborts, sleep / wake_up and LoRA RPCs
-             hang the orchestrator's event loop instead of failing with EngineDeadError. Before 0.24.0rc1
-             the client connect()s that socket, whose queue accepts the message (no hang; 0.18.0 has no socket:
-             in-process engine); a build without version metadata is told apart by that feature ("not affected").
+             before the client's monitor thread marks the engine dead, the send never returns: request
+             submission, aborts, sleep / wake_up and LoRA RPCs hang the orchestrator's event loop instead of
+             failing with EngineDeadError.
 Upstream:    https://github.com/vllm-project/vllm-omni/issues/7810 and
              https://github.com/vllm-project/vllm-omni/pull/7812 (released in 0.31.0rc1 together with the
-             shutdown fix: one ``_send_request`` helper sends with ``zmq.NOBLOCK``; on ``zmq.Again`` it raises
-             ``EngineDeadError()`` (and sets ``_engine_dead``) once the process manager's process is dead,
-             else waits for POLLOUT up to 100 ms and retries; an abort is skipped when the engine is dead and
-             dropped on ``zmq.Again``; an RPC id is registered only once its request was sent)
+             shutdown fix: one ``_send_request`` helper sends with ``zmq.NOBLOCK``)
 Affected:    vllm-omni >=0.24.0rc1,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
-             a ``_send_request`` method, or one of the three sending with NOBLOCK / DONTWAIT / SNDTIMEO)
+             a ``_send_request`` method, or one of the three sending with NOBLOCK / DONTWAIT / SNDTIMEO).
+             Before 0.24.0rc1 the client connect()s that socket (no hang); an untagged build is told apart by
+             that feature ("not affected").
 How:         the three coroutine methods are wrapped (wrapt). The stock coroutine's first step, which holds
-             its send (nothing before it awaits), runs with SNDTIMEO=0 on the request socket (libzmq's
-             ZMQ_DONTWAIT; put back right after the step). Upstream's code runs unchanged; only its
-             ``zmq.Again`` is handled as 0.31.0rc1 does: dead process -> ``_engine_dead = True`` and the
-             target module's ``EngineDeadError()``; live process -> wait for POLLOUT (100 ms) and run the
-             stock method again; abort -> skipped while ``_engine_dead``, dropped on ``zmq.Again``. An RPC id
-             the stock method registered for a request it could not send is discarded. The rest of the
-             coroutine is driven as ``await`` would (shared helpers: omni_patches/patches/_stage_client.py).
-             A client without an open zmq request socket, ``_engine_dead`` or ``_proc_manager`` runs stock
-             (noted once in status).
+             its send, runs with SNDTIMEO=0 on the request socket; only its ``zmq.Again`` is handled, as
+             0.31.0rc1 does: dead process -> ``_engine_dead = True`` and ``EngineDeadError()``; live process
+             -> wait for POLLOUT (100 ms) and run the stock method again; abort -> skipped while
+             ``_engine_dead``, dropped on ``zmq.Again``; an RPC id registered for an unsent request is
+             discarded. The rest of the coroutine is driven as ``await`` would. A client without an open zmq
+             request socket, ``_engine_dead`` or ``_proc_manager`` runs stock (noted once in status). Shared
+             helpers: omni_patches/patches/_stage_client.py.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import logging

