@@ -505,9 +505,10 @@ def is_active():
 
 
 def reapply(module):
-    """Apply again to ``module`` what its first import applied -- e.g. after ``importlib.reload``, which leaves
-    stock code behind (``status`` says ``reverted``). Every patch that targets it, as its import hook does: never
-    wrapping twice, a patch in any other state untouched. Returns ``{patch id: state}`` for those patches."""
+    """Apply again to ``module`` what was applied there -- e.g. after ``importlib.reload``, which leaves stock
+    code behind (``status`` says ``reverted``). Every patch that targets it, or that changed it from one of its
+    targets (a helper module the target calls), as its import hook does: never wrapping twice, a patch in any
+    other state untouched. Returns ``{patch id: state}`` for those patches."""
     state = _state
     name = getattr(module, "__name__", None)
     if state is None or not state.started:
@@ -516,8 +517,18 @@ def reapply(module):
     for pid, rt in list(state.runtime.items()):
         if name in state.registry.specs[pid].targets:
             _on_import(state.generation, pid, name, module)
-            out[pid] = rt.state
+        elif any(_module_of(getattr(r, "owner", None)) == name for r in rt.records):
+            for target in list(rt.applied_targets):
+                if sys.modules.get(target) is not None:
+                    _on_import(state.generation, pid, target, sys.modules[target])
+        else:
+            continue
+        out[pid] = rt.state
     return out
+
+
+def _module_of(owner):
+    return getattr(owner, "__name__", None) if isinstance(owner, type(sys)) else getattr(owner, "__module__", None)
 
 
 class Snapshot:
