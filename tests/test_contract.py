@@ -1,11 +1,12 @@
-"""Every real patch in patches.toml passes the shared contract (see tests/support/contract.py)."""
+"""Every real patch in patches.toml passes the shared contract (:mod:`omni_patches.testing`)."""
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 
 import cases
-from omni_patches import registry
+from omni_patches import registry, testing
 from support.contract import Unexpected, run_child
 
 SPECS = registry.load([registry.builtin_path()]).specs
@@ -22,14 +23,8 @@ def _lazy(affected):
 
 def _params():
     for name, case in CASES.items():
-        for kind, items in (("affected", case.affected), ("lazy", case.affected), ("skipped", case.skipped),
-                            ("drifted", case.drifted), ("source", case.source_built),
-                            ("unexpected", case.unexpected)):
-            for i, item in enumerate(items):
-                if kind == "lazy" and i not in _lazy(items):
-                    continue
-                label = (item if kind in ("affected", "lazy", "unexpected") else item[0]).label
-                yield pytest.param(name, kind, i, id=f"{case.patch_id}-{kind}-{label}")
+        for kind, i, label in testing.parts(case, lazy=_lazy(case.affected)):
+            yield pytest.param(f"cases.{name}", kind, i, id=f"{case.patch_id}-{kind}-{label}")
 
 
 def test_every_patch_has_a_contract_case():
@@ -38,18 +33,66 @@ def test_every_patch_has_a_contract_case():
     for case in CASES.values():
         assert case.affected and case.skipped and case.drifted, f"{case.patch_id}: every part of the contract"
         # Patches never break the call they wrap: an input the wrapper was not built for runs stock's code.
-        assert case.unexpected, f"{case.patch_id}: an `unexpected` input (tests/support/contract.py)"
+        assert case.unexpected, f"{case.patch_id}: an `unexpected` input (omni_patches.testing)"
         assert all(isinstance(u, Unexpected) and u.note for u in case.unexpected), case.patch_id
         spec = SPECS.get(case.patch_id)
         if spec is not None and spec.source_builds == "features":  # decided by features: show it does
             assert any(state == "applied" for _, state, _ in case.source_built), \
-                f"{case.patch_id}: a 'source build' variant that applies (tests/support/contract.py)"
+                f"{case.patch_id}: a 'source build' variant that applies (omni_patches.testing)"
 
 
-@pytest.mark.parametrize("case_module,kind,index", list(_params()))
-def test_contract(case_module, kind, index):
-    report = run_child(case_module, kind, index)
+@pytest.mark.parametrize("case_ref,kind,index", list(_params()))
+def test_contract(case_ref, kind, index):
+    report = run_child(case_ref, kind, index)
     assert report["ok"], report
+
+
+# -- the public harness, as an operator uses it for an overlay patch ------------------------------------------------
+OVERLAY_CASE = """
+from omni_patches.testing import Case, Env
+
+SITE = {site!r}
+CASE = Case(
+    patch_id="fake-double",
+    affected=[Env("fake-omni-0.28.0", lambda: [SITE + "/affected"])],
+    skipped=[(Env("fake-omni-0.30.0", lambda: [SITE + "/fixed"]), "skipped:version", "fixed upstream")],
+    drifted=[(Env.edited("fake-omni-0.28.0-renamed", Env("base", lambda: [SITE + "/affected"]), "fakeomni/loader.py",
+                         "def compute(x, scale=1):", "def compute(x, factor=1):"), "no parameter(s) scale")],
+)
+"""
+
+
+def test_the_public_harness_runs_an_overlay_patch(tmp_path, monkeypatch):
+    """An operator's own patch (``OMNI_PATCHES_CONFIG``) through :mod:`omni_patches.testing` alone: every part
+    passes, and a case that expects the wrong thing fails with the child's words."""
+    from support.fakes import entry, fake_omni, registry_text
+
+    fake_omni(tmp_path / "affected", "0.28.0")
+    fake_omni(tmp_path / "fixed", "0.30.0")
+    (tmp_path / "overlay.toml").write_text(registry_text(entry()))
+    (tmp_path / "my_case.py").write_text(OVERLAY_CASE.format(site=str(tmp_path)))
+    monkeypatch.setenv("OMNI_PATCHES_CONFIG", str(tmp_path / "overlay.toml"))
+    monkeypatch.setenv("OMNI_TEST_CACHE", str(tmp_path / "cache"))
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import my_case
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("my_case", None)
+    tests = Path(__file__).parent  # fakepatches.double, the overlay's patch module
+    parts = testing.parts(my_case.CASE)
+    assert [k for k, _, _ in parts] == ["affected", "lazy", "skipped", "drifted"]
+    reports = {kind: testing.check("my_case", kind, index, pythonpath=[tmp_path, tests]) for kind, index, _ in parts}
+    assert all(r["ok"] and r["patch"] == "fake-double" for r in reports.values()), reports
+    assert "reverted, then applied again" in reports["affected"]["reload"], reports["affected"]
+    (tmp_path / "my_case.py").write_text(OVERLAY_CASE.format(site=str(tmp_path)).replace(
+        '"skipped:version", "fixed upstream"', '"skipped:version", "not what it says"'))
+    with pytest.raises(AssertionError, match="'not what it says' not in"):
+        testing.check("my_case", "skipped", 0, pythonpath=[tmp_path, tests])
+    with pytest.raises(ValueError):
+        testing.check("my_case", "sideways", 0)
 
 
 # -- the call-time rule's mechanism (PatchRun.fallback, reached as ctx.run), without a target ----------------------

@@ -1,7 +1,7 @@
 """Directories that make the REAL idle-MoE-LoRA targets importable in a fresh interpreter via ``sys.path`` alone.
 
 ``omni_manager.omni_sandbox`` installs its stand-ins in the running process; the contract
-(``support.contract_child``) only prepends ``Env.paths()``. So each directory here holds the real upstream files, byte for byte, plus a ``<dist>-<version>.dist-info`` (the engine's version
+(``omni_patches.testing.child``) only prepends ``Env.paths()``. So each directory here holds the real upstream files, byte for byte, plus a ``<dist>-<version>.dist-info`` (the engine's version
 gate reads it) and a package ``__init__`` that installs the same stand-ins on first import:
 
 * :func:`omni_manager_dir` -- ``vllm_omni/diffusion/lora/**``, ``diffusion/offloader/config.py`` and

@@ -1,4 +1,5 @@
-"""One contract check in a fresh interpreter: ``python -m support.contract_child <case> <kind> <index>``."""
+"""One contract check in a fresh interpreter: ``python -m omni_patches.testing.child <case module> <kind> <index>``
+(see :mod:`omni_patches.testing.contract`)."""
 import hashlib
 import importlib
 import json
@@ -137,9 +138,9 @@ def _unexpected(case, index, report):
     assert reason.count(item.note) == 1, f"{item.note!r} noted {reason.count(item.note)} times: {reason!r}"
 
 
-def main(case_module, kind, index):
+def main(case_ref, kind, index):
     asked = kind
-    case = importlib.import_module(f"cases.{case_module}").CASE
+    case = importlib.import_module(case_ref).CASE
     spec = registry.load().specs[case.patch_id]
     if kind == "affected":
         env, expect_state, reason_part = case.affected[index], "applied", ""

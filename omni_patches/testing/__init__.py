@@ -1,0 +1,17 @@
+"""The contract every patch passes, as a harness: for the built-in patches (tests/test_contract.py) and for an
+operator's overlay patch (``OMNI_PATCHES_CONFIG``). Describe where the patch's targets live with :class:`Case`
+/ :class:`Env` / :class:`Unexpected` in a module that defines ``CASE``, then run each of :func:`parts` with
+:func:`check` -- each in a fresh interpreter::
+
+    import pytest
+    from omni_patches import testing
+
+    @pytest.mark.parametrize("kind,index,label", testing.parts(my_case.CASE))
+    def test_contract(kind, index, label):
+        assert testing.check("my_case", kind, index, pythonpath=[HERE])["ok"]
+
+What it checks is in :mod:`omni_patches.testing.contract`. Test-only: never imported by a serving process.
+"""
+from .contract import KINDS, Case, Env, Unexpected, cache_dir, check, parts
+
+__all__ = ["Case", "Env", "Unexpected", "check", "parts", "cache_dir", "KINDS"]
