@@ -20,7 +20,6 @@ unusable; 4 the registry cannot be read (the verdicts would be incomplete); 5 an
 """
 import contextlib
 import email.parser
-import fcntl
 import hashlib
 import os
 import re
@@ -32,6 +31,8 @@ import tarfile
 import tempfile
 import zipfile
 import zlib
+
+from . import atomic
 
 WOULD_APPLY = "would apply"
 FIXED = "skip: fixed upstream"
@@ -158,17 +159,6 @@ class Result:
 
 
 # -- obtaining files ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _locked(cache, key):
-    os.makedirs(cache, exist_ok=True)
-    with open(os.path.join(cache, f".{key}.lock"), "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _archives(folder):
     if not os.path.isdir(folder):
         return []
@@ -206,7 +196,7 @@ def download(name, version, cache, fetch_timeout=DEFAULT_FETCH_TIMEOUT):
 
     key = re.sub(r"[-_.]+", "-", name).lower() + f"-{version}"
     dest = os.path.join(cache, "dists", key)
-    with _locked(cache, key):
+    with atomic.locked(cache, key):
         found = _archives(dest)
         if found:
             return found[0]
@@ -271,48 +261,6 @@ def _sha256(path):
     return digest.hexdigest()
 
 
-def _unsafe(name):
-    """Why an archive member name may not be written under the extraction directory, or None."""
-    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
-        return "an absolute path"
-    if ".." in re.split(r"[/\\]", name):
-        return "a '..' component"
-    if "\0" in name:
-        return "a NUL byte"
-    return None
-
-
-def _checked(names):
-    for name in names:
-        why = _unsafe(name)
-        if why:
-            raise AuditError(f"unsafe member {name!r} ({why})")
-    return names
-
-
-def _extract_tar(tf, dest):
-    """The wanted regular files of an sdist, safely on every supported Python.
-
-    Only regular files are taken (never links, devices or fifos), and their names are checked here. Where
-    ``tarfile`` has extraction filters (3.10.12+, 3.11.4+, 3.12+) the ``data`` filter checks again; older
-    interpreters (Debian 12's 3.11.2) have no ``filter`` argument: each file is written by us, its mode plain.
-    """
-    members = [m for m in tf.getmembers() if m.isfile() and _wanted(m.name)]
-    _checked([m.name for m in members])
-    if hasattr(tarfile, "data_filter"):
-        tf.extractall(dest, members, filter="data")
-        return
-    root = os.path.realpath(dest)
-    for m in members:
-        path = os.path.realpath(os.path.join(root, m.name))
-        if os.path.commonpath([root, path]) != root:  # pragma: no cover - _checked() already refused it
-            raise AuditError(f"unsafe member {m.name!r} (outside the destination)")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        src = tf.extractfile(m)
-        with src, open(path, "wb") as out:
-            shutil.copyfileobj(src, out)
-
-
 def unpack(archive, cache):
     """Directory holding the ``.py`` files and metadata of a wheel or sdist (extracted once, atomically).
 
@@ -323,32 +271,12 @@ def unpack(archive, cache):
     except OSError as exc:
         raise AuditError(f"cannot read {archive}: {exc}") from None
     key = f"{os.path.basename(archive)}-{digest[:20]}"
-    out = os.path.join(cache, "unpacked", key)
-    if os.path.exists(os.path.join(out, ".complete")):
-        return out
-    with _locked(cache, "unpack-" + key):
-        if os.path.exists(os.path.join(out, ".complete")):
-            return out
-        tmp = out + ".part"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        try:
-            if archive.endswith((".whl", ".zip")):
-                with zipfile.ZipFile(archive) as zf:
-                    zf.extractall(tmp, _checked([m for m in zf.namelist() if _wanted(m)]))
-            else:
-                with tarfile.open(archive) as tf:
-                    _extract_tar(tf, tmp)
-        except AuditError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise AuditError(f"cannot unpack {archive}: {exc}") from None
-        except (OSError, zipfile.BadZipFile, tarfile.TarError, EOFError, zlib.error) as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise AuditError(f"cannot unpack {archive}: {exc}") from None
-        open(os.path.join(tmp, ".complete"), "w").close()
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    return out
+    try:
+        return atomic.build_once(os.path.join(cache, "unpacked", key),
+                                    lambda tmp: atomic.extract(archive, tmp, _wanted), cache=cache,
+                                    key="unpack-" + key)
+    except (atomic.UnsafeArchive, OSError, zipfile.BadZipFile, tarfile.TarError, EOFError, zlib.error) as exc:
+        raise AuditError(f"cannot unpack {archive}: {exc}") from None
 
 
 def _metadata(path):
