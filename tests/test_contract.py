@@ -4,14 +4,15 @@ import pkgutil
 
 import pytest
 
-import cases
+import patches
 from omni_patches import registry
 from support.contract import Unexpected, run_child
 
 SPECS = registry.load([registry.builtin_path()]).specs
 CASES = {}
-for info in pkgutil.iter_modules(cases.__path__):
-    CASES[info.name] = importlib.import_module(f"cases.{info.name}").CASE
+for info in pkgutil.iter_modules(patches.__path__):  # tests/patches/<patch module>/case.py
+    if info.ispkg:
+        CASES[info.name] = importlib.import_module(f"patches.{info.name}.case").CASE
 
 
 def _lazy(affected):
@@ -34,7 +35,7 @@ def _params():
 
 def test_every_patch_has_a_contract_case():
     covered = {c.patch_id for c in CASES.values()}
-    assert set(SPECS) <= covered, f"patches without a tests/cases/ entry: {sorted(set(SPECS) - covered)}"
+    assert set(SPECS) <= covered, f"patches without a tests/patches/<module>/case.py: {sorted(set(SPECS) - covered)}"
     for case in CASES.values():
         assert case.affected and case.skipped and case.drifted, f"{case.patch_id}: every part of the contract"
         # Patches never break the call they wrap: an input the wrapper was not built for runs stock's code.

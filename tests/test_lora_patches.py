@@ -29,8 +29,8 @@ cfg = json.loads(os.environ["LORA_TEST_CFG"])
 omni_patches.activate()
 import vllm_omni.diffusion.lora.loader as L
 import vllm_omni.diffusion.distributed.utils as U
-from tests.support import fake_npu
-from tests.support.omni_loader import expected_deltas, make_lora_state_dict, tiny_transformer
+from support import fake_npu
+from support.omni_loader import expected_deltas, make_lora_state_dict, tiny_transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if cfg.get("npu"):

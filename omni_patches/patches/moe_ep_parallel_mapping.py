@@ -15,8 +15,9 @@ Upstream:    https://github.com/vllm-project/vllm-omni/pull/4344 ("[NPU] Fix Hun
              0.24": vLLM-owned ``_PCP``/``_TP``/``_DP``/``_EP`` via ``init_vllm_model_parallel_group``, and the
              ``dp_metadata`` pre-hook of the non-NPU ``HunyuanFusedMoEDefault``), both in vllm-omni 0.24.0.
              This patch builds what 0.24.0's ``initialize_model_parallel`` and worker build, rank for rank,
-             and sets the MoE forward's DP metadata as 0.24.0 does (tests/test_moe_ep.py compares every rank
-             against the real 0.24.0 files).
+             and sets the MoE forward's DP metadata as 0.24.0 does
+             (tests/patches/moe_ep_parallel_mapping/test_moe_ep.py compares every rank against the real 0.24.0
+             files).
 Affected:    vllm-omni >=0.18.0,<0.24.0 (0.24.0rc1 included); fixed upstream in vllm-omni 0.24.0
 How:         only when ``enable_expert_parallel`` is passed AND omni's forward context holds a MoE diffusion
              config (``is_moe``), as upstream; otherwise every wrapper calls the original untouched (EP off:
@@ -71,7 +72,7 @@ How:         only when ``enable_expert_parallel`` is passed AND omni's forward c
              vllm#49246 reverses the combine, #54131/#57075 use one DP·PCP group). Nothing to backport; the
              patch warns once (log + status note) when it maps that layout without
              vllm-ascend; TP·SP and TP·CFG·DP layouts are numerically equal to world size 1
-             (tests/test_moe_ep_numeric.py).
+             (tests/patches/moe_ep_parallel_mapping/test_moe_ep_numeric.py).
 Remove when: the oldest supported vllm-omni is 0.24.0 (``get_expert_parallel_group_ranks`` present).
 """
 import inspect

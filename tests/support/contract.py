@@ -1,6 +1,6 @@
 """The shared contract every real patch passes (tests/test_contract.py runs it).
 
-A patch's test author describes *where* its target lives, in ``tests/cases/<patch module>.py``::
+A patch's test author describes *where* its target lives, in ``tests/patches/<patch module>/case.py``::
 
     CASE = Case(
         patch_id="lora-accel-delta",

@@ -97,7 +97,7 @@ def _unexpected(case, index, report):
 
 def main(case_module, kind, index):
     asked = kind
-    case = importlib.import_module(f"cases.{case_module}").CASE
+    case = importlib.import_module(f"patches.{case_module}.case").CASE
     spec = registry.load().specs[case.patch_id]
     if kind == "affected":
         env, expect_state, reason_part = case.affected[index], "applied", ""

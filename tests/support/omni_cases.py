@@ -1,4 +1,4 @@
-"""What the contract cases of the vllm-omni patches on real release files share (tests/cases/omni_*.py): their
+"""What the contract cases of the vllm-omni patches on real release files share (tests/patches/omni_*/case.py): their
 sandbox environments and the skipped and source-build variants every one of them declares."""
 from __future__ import annotations
 
