@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import shutil
 import sys
@@ -40,7 +38,7 @@ from packaging.version import Version
 
 from support import wheels
 from support.fakes import write_dist_info
-from support.automods import AutoModule
+from support.automods import AutoFinder, add_finder
 
 TARGET = "vllm_ascend.ops.fused_moe.prepare_finalize"
 REL = "vllm_ascend/ops/fused_moe/prepare_finalize.py"
@@ -169,35 +167,6 @@ def _overrides() -> dict[str, dict[str, Any]]:
 _ROOTS = ("vllm", "vllm_ascend", "torch_npu")
 
 
-class _StubLoader(importlib.abc.Loader):
-    def create_module(self, spec):
-        mod = AutoModule(spec.name)
-        mod.__path__ = []
-        return mod
-
-    def exec_module(self, module) -> None:
-        module.__dict__.update(_overrides().get(module.__name__, {}))
-
-
-class StubFinder(importlib.abc.MetaPathFinder):
-    """Stand-ins for every ``vllm``/``vllm_ascend``/``torch_npu`` module that ``root`` does not hold as a file."""
-
-    def __init__(self, root: Path | None = None) -> None:
-        self.root = root
-        self.loader = _StubLoader()
-
-    def _on_disk(self, fullname: str) -> bool:
-        if self.root is None:
-            return False
-        base = self.root.joinpath(*fullname.split("."))
-        return (base / "__init__.py").exists() or base.with_suffix(".py").exists()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] not in _ROOTS or self._on_disk(fullname):
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self.loader, is_package=True)
-
-
 def _ensure_torch_npu() -> None:
     import torch
 
@@ -207,17 +176,10 @@ def _ensure_torch_npu() -> None:
         torch.npu = npu
 
 
-def install_finder(root: Path | None = None) -> StubFinder:
-    """Put the stand-ins on ``sys.meta_path`` (once), behind the import-hook finders of wrapt / omni_patches."""
-    for f in sys.meta_path:
-        if isinstance(f, StubFinder):
-            return f
-    finder = StubFinder(root)
-    pos = 0
-    for i, f in enumerate(sys.meta_path):
-        if type(f).__module__.split(".")[0] in ("wrapt", "omni_patches"):
-            pos = i + 1
-    sys.meta_path.insert(pos, finder)
+def install_finder(root: Path | None = None) -> AutoFinder:
+    """Stand-ins for every ``vllm``/``vllm_ascend``/``torch_npu`` module that ``root`` does not hold as a file (once,
+    behind the import-hook finders of wrapt / omni_patches), with the behaviour of :func:`_overrides`."""
+    finder = add_finder(AutoFinder("ascend-finalize", _ROOTS, root, _overrides))
     _ensure_torch_npu()
     return finder
 

@@ -27,8 +27,6 @@ Entry point for tests: :func:`run_world`.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import os
@@ -89,29 +87,12 @@ def run_world(job: dict, *, timeout: float = 420, env: dict | None = None) -> li
 # --------------------------------------------------------------------------------------------------
 # Driver: layouts from the real omni RankGenerator, then the ranks
 # --------------------------------------------------------------------------------------------------
-class _OmniStubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Auto stand-ins for what omni's parallel_state.py imports (only its RankGenerator is used)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("vllm", "vllm_omni"):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        from unittest.mock import MagicMock
-
-        mod = types.ModuleType(spec.name)
-        mod.__path__ = []
-        mod.__getattr__ = lambda attr: MagicMock(name=f"{spec.name}.{attr}")
-        return mod
-
-    def exec_module(self, module):
-        pass
-
-
 def mapping_layout(omni_root: str) -> dict:
-    """vLLM _PCP / _DP rank lists as moe-ep-parallel-mapping builds them (SP2·CFG2), by omni's own code."""
-    finder = _OmniStubs()
+    """vLLM _PCP / _DP rank lists as moe-ep-parallel-mapping builds them (SP2·CFG2), by omni's own code (the
+    real parallel_state.py; what it imports: stand-ins, only its RankGenerator is used)."""
+    from support.automods import AutoFinder
+
+    finder = AutoFinder("omni-layout", ("vllm", "vllm_omni"))
     sys.meta_path.insert(0, finder)
     try:
         path = Path(omni_root) / "vllm_omni/diffusion/distributed/parallel_state.py"

@@ -19,8 +19,6 @@ the real ``vllm.envs``), everything it imports from elsewhere is a stand-in.
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import shutil
 import subprocess
@@ -31,7 +29,7 @@ from pathlib import Path
 from support import wheels
 from support.ci import skip_or_fail
 from support.fakes import write_dist_info
-from support.automods import AutoModule
+from support.automods import AutoFinder, add_finder
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -121,46 +119,11 @@ def real_platform_file(version: str) -> Path:
 
 
 # -- stand-ins (our own code) ---------------------------------------------------------------------------
-class _StubLoader(importlib.abc.Loader):
-    def create_module(self, spec):
-        mod = AutoModule(spec.name)
-        mod.__path__ = list(spec.submodule_search_locations or ())
-        return mod
-
-    def exec_module(self, module):
-        pass
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Stand-ins for every module under the stub roots that has no real file in the sandbox."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.loader = _StubLoader()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] not in _STUB_ROOTS:
-            return None
-        rel = self.root.joinpath(*fullname.split("."))
-        if rel.with_suffix(".py").is_file() or (rel / "__init__.py").is_file():
-            return None  # a real file (or bootstrap): the path finder loads it
-        spec = importlib.machinery.ModuleSpec(fullname, self.loader, is_package=True)
-        # a stand-in package over a sandbox directory (vllm.ray) still finds the real files in it
-        spec.submodule_search_locations = [str(rel)] if rel.is_dir() else []
-        return spec
-
-
 def install_finder(root: Path) -> None:
-    """Called by the sandbox's bootstrap ``__init__``: install the stand-in finder once."""
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
-        return
-    # Behind the import-hook finders (wrapt's, the engine's trigger): their post-import hooks must see the
-    # imports they wait for.
-    pos = 0
-    for i, f in enumerate(sys.meta_path):
-        if type(f).__module__.split(".")[0] in ("wrapt", "omni_patches"):
-            pos = i + 1
-    sys.meta_path.insert(pos, _Finder(root))
+    """Called by the sandbox's bootstrap ``__init__``: stand-ins for every module under the stub roots that has no
+    real file in the sandbox (a stand-in package over a sandbox directory, vllm.ray, still finds the real files in
+    it), installed once behind the import-hook finders (wrapt's, the engine's trigger)."""
+    add_finder(AutoFinder("ascend-timeout", _STUB_ROOTS, root))
     # platform.py imports the real torch itself but touches torch.npu only inside methods; a child that only
     # reads vllm.envs never pays for importing torch.
     torch = sys.modules.get("torch")

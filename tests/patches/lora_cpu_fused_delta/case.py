@@ -3,7 +3,7 @@ from support.contract import Case, Env, Unexpected
 from support.omni_loader import LOADER_RELPATH, loader_sandbox
 
 # lora-accel-delta off: the contract compares against the objects before activation, and on 0.27-0.29 it
-# would stack its own layers under ours (the two together: tests/test_lora_patches.py).
+# would stack its own layers under ours (the two together: test_fused_real_loader.py).
 ON = {"OMNI_PATCHES_LORA_CPU_FUSED_DELTA": "1", "OMNI_PATCHES_LORA_ACCEL_DELTA": "0"}
 
 
@@ -62,7 +62,7 @@ CASE = Case(
     skipped=[
         (sandbox("0.28.0", env={"OMNI_PATCHES_LORA_ACCEL_DELTA": "0"}), "skipped:disabled", "off by default"),
         # 0.26.0 has no diffusion/lora/loader.py: the version gate decides before any import (see
-        # tests/cases/lora_accel_delta.py).
+        # tests/patches/lora_accel_delta/case.py).
         (Env.edited("omni-0.26.0-metadata", BASE, "vllm_omni-0.28.0.dist-info/METADATA", "Version: 0.28.0",
                     "Version: 0.26.0", imports=["vllm_omni"]), "skipped:version", "outside"),
     ],
