@@ -10,7 +10,7 @@ import pytest
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # `support`, `fakepatches`, `cases`
+    sys.path.insert(0, str(TESTS))  # `support`, `patches`, `fakepatches`: the one import root
 
 from support import fakes  # noqa: E402
 

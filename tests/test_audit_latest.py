@@ -18,6 +18,7 @@ import pytest
 from omni_patches import cli
 from omni_patches.tools import audit, index
 from support.fakes import FAKE_LOADER, entry, fake_omni
+from support.ci import skip_or_fail
 from support.venvs import without_switches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,8 +182,8 @@ def test_latest_on_the_real_index(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "omni_patches", "audit", "--json", "--latest", "vllm-omni",
                            "--cache", str(tmp_path / "cache"), "--fetch-timeout", "300"], capture_output=True,
                           text=True, cwd=ROOT, env=without_switches(), timeout=900)
-    if proc.returncode == audit.EXIT_FETCH and not os.environ.get("CI"):  # pragma: no cover - network dependent
-        pytest.skip(f"the index cannot be reached: {proc.stderr[-500:]}")
+    if proc.returncode == audit.EXIT_FETCH:  # pragma: no cover - network dependent
+        skip_or_fail(f"the index cannot be reached: {proc.stderr[-500:]}")
     doc = json.loads(proc.stdout)
     assert proc.returncode in (0, 1), proc.stderr
     newest, final = doc["latest"]["vllm-omni"]["newest"], doc["latest"]["vllm-omni"]["newest_final"]

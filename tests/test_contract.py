@@ -5,14 +5,15 @@ from pathlib import Path
 
 import pytest
 
-import cases
+import patches
 from omni_patches import registry, testing
-from support.contract import Unexpected, run_child
+from support.contract import run_child
 
 SPECS = registry.load([registry.builtin_path()]).specs
 CASES = {}
-for info in pkgutil.iter_modules(cases.__path__):
-    CASES[info.name] = importlib.import_module(f"cases.{info.name}").CASE
+for info in pkgutil.iter_modules(patches.__path__):  # tests/patches/<patch module>/case.py
+    if info.ispkg:
+        CASES[info.name] = importlib.import_module(f"patches.{info.name}.case").CASE
 
 
 def _lazy(affected):
@@ -24,17 +25,17 @@ def _lazy(affected):
 def _params():
     for name, case in CASES.items():
         for kind, i, label in testing.parts(case, lazy=_lazy(case.affected)):
-            yield pytest.param(f"cases.{name}", kind, i, id=f"{case.patch_id}-{kind}-{label}")
+            yield pytest.param(f"patches.{name}.case", kind, i, id=f"{case.patch_id}-{kind}-{label}")
 
 
 def test_every_patch_has_a_contract_case():
     covered = {c.patch_id for c in CASES.values()}
-    assert set(SPECS) <= covered, f"patches without a tests/cases/ entry: {sorted(set(SPECS) - covered)}"
+    assert set(SPECS) <= covered, f"patches without a tests/patches/<module>/case.py: {sorted(set(SPECS) - covered)}"
     for case in CASES.values():
         assert case.affected and case.skipped and case.drifted, f"{case.patch_id}: every part of the contract"
         # Patches never break the call they wrap: an input the wrapper was not built for runs stock's code.
         assert case.unexpected, f"{case.patch_id}: an `unexpected` input (omni_patches.testing)"
-        assert all(isinstance(u, Unexpected) and u.note for u in case.unexpected), case.patch_id
+        assert all(isinstance(u, testing.Unexpected) and u.note for u in case.unexpected), case.patch_id
         spec = SPECS.get(case.patch_id)
         if spec is not None and spec.source_builds == "features":  # decided by features: show it does
             assert any(state == "applied" for _, state, _ in case.source_built), \

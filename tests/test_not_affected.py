@@ -18,6 +18,10 @@ from support import stage_client_sandbox as sandbox
 from support import wheels
 from support.omni_children import run_children
 
+# the child scripts of the two stage-client patches' own tests
+SHUTDOWN_CHILD = "patches.omni_stage_shutdown_nonblocking.stage_shutdown_child"
+SEND_CHILD = "patches.omni_stage_send_dead_engine.stage_send_child"
+
 APPLY, FIXED, DRIFTED, NOT_AFFECTED, ABSENT = (audit.WOULD_APPLY, audit.FIXED, audit.DRIFTED, audit.NOT_AFFECTED,
                                                audit.ABSENT)
 SHUTDOWN, SEND = "omni-stage-shutdown-nonblocking", "omni-stage-send-dead-engine"
@@ -138,7 +142,7 @@ TAGLESS = functools.partial(sandbox.paths, metadata_version="0.0.0")
 @pytest.fixture(scope="module")
 def shutdown_runs(tmp_path_factory):
     jobs = [(v, v, {"stock_wait": 2.0}) for v in ("0.20.0", "0.23.0rc1", "0.28.0")]
-    return run_children("tagless stage-shutdown", "support.stage_shutdown_child", jobs, TAGLESS,
+    return run_children("tagless stage-shutdown", SHUTDOWN_CHILD, jobs, TAGLESS,
                         tmp_path_factory.mktemp("state"), timeout=240)
 
 
@@ -160,8 +164,7 @@ def test_tagless_binding_client_is_patched_at_run_time(shutdown_runs):
 
 @pytest.fixture(scope="module")
 def send_runs(tmp_path_factory):
-    return run_children("tagless stage-send", "support.stage_send_child", [("0.23.0rc1", "0.23.0rc1",
-                                                                             {"stock_wait": 2.0})],
+    return run_children("tagless stage-send", SEND_CHILD, [("0.23.0rc1", "0.23.0rc1", {"stock_wait": 2.0})],
                         TAGLESS, tmp_path_factory.mktemp("state"))
 
 

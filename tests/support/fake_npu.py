@@ -14,7 +14,7 @@ worker process), never in the pytest process itself.
 Usage (inside the subprocess)::
 
     import vllm_omni.diffusion.lora.loader as loader   # first
-    from tests.support import fake_npu
+    from support import fake_npu
     fake_npu.install()                 # or install(broken=True): probe allocations fail
     ...
     fake_npu.counters()  # {'npu_matmuls': 3, 'h2d_bytes': ..., 'd2h_bytes': ..., ...}

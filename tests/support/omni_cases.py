@@ -1,8 +1,8 @@
-"""What the contract cases of the vllm-omni patches on real release files share (tests/cases/omni_*.py): their
+"""What the contract cases of the vllm-omni patches on real release files share (tests/patches/omni_*/case.py): their
 sandbox environments and the skipped and source-build variants every one of them declares."""
 from __future__ import annotations
 
-from .contract import Env
+from omni_patches.testing import Env
 
 FIXED = ("0.31.0rc1", "0.32.0rc1")  # upstream's fixed releases, for every omni stage / sleep patch
 METADATA = "vllm_omni-{}.dist-info/METADATA"

@@ -214,10 +214,10 @@ def loader_sandbox(version: str) -> Path:
 
 def sandbox_env(version: str, *, local_device: str | None = None, fake_npu_broken: bool = False,
                 extra: dict | None = None) -> dict[str, str]:
-    """Environment for a subprocess: sandbox first on PYTHONPATH, then the repo root (``tests.support``
-    and the package under test importable), optional ``get_local_device()`` answer."""
+    """Environment for a subprocess: sandbox first on PYTHONPATH, then tests/ (``support``) and the repo root
+    (the package under test importable), optional ``get_local_device()`` answer."""
     env = dict(os.environ)
-    parts = [str(loader_sandbox(version)), str(REPO_ROOT)]
+    parts = [str(loader_sandbox(version)), str(REPO_ROOT / "tests"), str(REPO_ROOT)]
     src = REPO_ROOT / "src"
     if src.is_dir():
         parts.append(str(src))

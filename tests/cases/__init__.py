@@ -1,1 +1,0 @@
-"""One module per real patch, each defining ``CASE = support.contract.Case(...)``."""

@@ -1,0 +1,1 @@
+"""Tests of ``ascend-execute-model-timeout`` (omni_patches/patches/ascend_execute_model_timeout.py)."""

@@ -1,0 +1,1 @@
+"""Tests of ``lora-cpu-fused-delta`` (omni_patches/patches/lora_cpu_fused_delta.py)."""

@@ -1,0 +1,435 @@
+"""In-rank scenarios for test_moe_ep.py (run by :func:`support.ep_world.run_world`).
+
+Real in every rank: omni's ``parallel_state.py`` / ``group_coordinator.py`` (see ep_world), vLLM's
+``parallel_state`` and ``FusedMoEParallelConfig.make`` over gloo, the omni-patches engine and the patch.
+
+Model side (ours around real code): the module ``...hunyuan_image3(_3).hunyuan_image3(_3)_transformer`` is a
+stand-in that holds the REAL ``HunYuanSparseMoeBlock`` class, its source cut out of the wheel's file with
+``ast`` and executed next to small fakes (``ReplicatedLinear``, ``HunYuanMLP``, configs) and a
+``HunyuanFusedMoE`` recorder that computes, like vLLM's ``FusedMoE.__init__``, ``pcp = pcp_size or
+get_pcp_group().world_size`` and the real ``FusedMoEParallelConfig.make``. The real file cannot import
+here (diffusers, torchvision, ...). Likewise ``vllm_omni.platforms.npu.models.hunyuan_fused_moe`` holds the
+REAL ``_init_mc2_group_for_diffusion`` (source from the wheel) with the real vLLM
+``init_model_parallel_group``; ``vllm_ascend.distributed.parallel_state`` is a fake module holding ``_MC2``
+(the real NPU file imports torch_npu/vllm_ascend). The non-NPU ``...hunyuan_fused_moe`` module is the wheel's
+REAL file, imported as is (ep_moe_forward.py drives it). For test_moe_ep_numeric.py
+(``install_model_standins(real_layers=True)``) the transformer stand-in instead holds the real ``HunYuanMLP`` and
+``HunYuanSparseMoeBlock`` over vLLM's real layers and the wheel's real ``HunyuanFusedMoE`` (no fakes, no recorder).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import time
+import types
+from pathlib import Path
+
+PATCH_ID = "moe-ep-parallel-mapping"
+NPU_MOD = "vllm_omni.platforms.npu.models.hunyuan_fused_moe"
+MOE_FIELDS = ("use_ep", "ep_size", "ep_rank", "tp_size", "tp_rank", "dp_size", "dp_rank", "pcp_size", "pcp_rank")
+
+
+# -- the phases of test_moe_ep.py's worlds (one world per release and role, ep_runs.py) --
+_EP = dict(ep=True, moe=True, equiv=True)
+# issue 10's worlds (8 ranks each), EP on and is_moe; "sp" is the Ulysses degree, "ring" the ring degree.
+WORLDS = [
+    # pretend_ascend: the init sees vllm-ascend 0.18.0 installed, context parallel off (the patch must warn)
+    dict(label="tp4-u2", tp=4, sp=2, model=True, reinit=True, pretend_ascend="0.18.0", **_EP),
+    dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, forward=True, **_EP),
+    dict(label="tp2-r2-cfg2", tp=2, ring=2, cfg=2, **_EP),
+    dict(label="tp8", tp=8, **_EP),
+    dict(label="tp2-u2-dp2", tp=2, sp=2, dp=2, forward=True, **_EP),
+    dict(label="tp2-pp2-cfg2", tp=2, pp=2, cfg=2, **_EP),
+    dict(label="hsdp4x2", fs=4, replicate=2, **_EP),  # standalone HSDP: omni lays fs x replicate out as dp
+]
+# Where the patch must do nothing: compared with stock 0.22.0, not with 0.24.0 (which changed these itself).
+UNTOUCHED = [
+    dict(label="ep-off", tp=4, sp=2, ep=False, moe=True, model=True, equiv=True),
+    dict(label="non-moe-ep", tp=4, sp=2, ep=True, moe=False, equiv=True),
+    # vLLM DP (omni's own dp group) > 1 but no mapping: the MoE forward must stay stock
+    dict(label="ep-off-dp2", tp=2, sp=2, dp=2, ep=False, moe=True, equiv=True, forward=True),
+]
+# The patch cannot build vLLM's EP group (after PCP/TP/DP were built): everything must be stock again.
+FALLBACK = dict(label="fallback-tp4-u2", tp=4, sp=2, model=True, fail_group="ep", **_EP)
+PHASES = {"patched": WORLDS + UNTOUCHED + [FALLBACK], "upstream": WORLDS, "stock": WORLDS + UNTOUCHED}
+
+
+def phases_for(role: str) -> list[dict]:
+    """The phases of the group-facts world for a release in ``role`` ("patched", "upstream", "stock")."""
+    return PHASES[role]
+
+
+def activate_patch() -> None:
+    """setup hook: turn omni-patches on in this rank (the registry is the built-in one)."""
+    import omni_patches
+
+    omni_patches.activate(force=True)
+
+
+def transformer_module_name(omni_version: str) -> str:
+    if omni_version.startswith("0.18."):
+        return "vllm_omni.diffusion.models.hunyuan_image_3.hunyuan_image_3_transformer"
+    return "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer"
+
+
+def fused_moe_module_name(omni_version: str) -> str:
+    """The non-NPU MoE layer module (``HunyuanFusedMoEDefault``): served as the REAL file of the wheel."""
+    return transformer_module_name(omni_version).rsplit(".", 1)[0] + ".hunyuan_fused_moe"
+
+
+def _real_source(path: Path, name: str) -> str:
+    text = path.read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
+            return ast.get_source_segment(text, node)
+    raise LookupError(f"{name} not found in {path}")
+
+
+# Set by install_model_standins(real_layers=True): the transformer stand-in then binds vLLM's real layers, the
+# wheel's real ``HunYuanMLP`` and the real ``HunyuanFusedMoE`` dispatcher (ep_numeric.py).
+REAL_LAYERS = False
+
+
+def _fill_real_layers(module: types.ModuleType, omni_root: Path) -> None:
+    """``HunYuanMLP`` and ``HunYuanSparseMoeBlock`` (sources cut from the wheel) over vLLM's real
+    ``ReplicatedLinear`` / ``MergedColumnParallelLinear`` / ``RowParallelLinear`` / ``SiluAndMul`` and the wheel's
+    real ``hunyuan_fused_moe.HunyuanFusedMoE`` (-> ``HunyuanFusedMoEDefault`` -> vLLM's ``FusedMoE``)."""
+    import torch
+    from torch import nn
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+    fused = importlib.import_module(fused_moe_module_name(module.__omni_version__))
+
+    class PretrainedConfig:  # annotations only
+        pass
+
+    class QuantizationConfig:
+        pass
+
+    module.__dict__.update(torch=torch, nn=nn,
+                           get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
+                           get_current_vllm_config=get_current_vllm_config, PretrainedConfig=PretrainedConfig,
+                           QuantizationConfig=QuantizationConfig, ReplicatedLinear=ReplicatedLinear,
+                           MergedColumnParallelLinear=MergedColumnParallelLinear, RowParallelLinear=RowParallelLinear,
+                           SiluAndMul=SiluAndMul, HunyuanFusedMoE=fused.HunyuanFusedMoE)
+    rel = Path(*transformer_module_name(module.__omni_version__).split(".")).with_suffix(".py")
+    for name in ("HunYuanMLP", "HunYuanSparseMoeBlock"):
+        exec(compile(_real_source(omni_root / rel, name), f"<real {name} from {rel}>", "exec"), module.__dict__)
+
+
+def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
+    if REAL_LAYERS:
+        return _fill_real_layers(module, omni_root)
+    import torch
+    from torch import nn
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+    class PretrainedConfig:  # annotations only
+        pass
+
+    class QuantizationConfig:
+        pass
+
+    class ReplicatedLinear(nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    class HunYuanMLP(nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    class HunyuanFusedMoE:
+        """Recorder standing in for the dispatcher: what FusedMoE would compute from these kwargs."""
+
+        calls: list = []
+
+        def __new__(cls, *, prefix: str = "", **kwargs):
+            import vllm.distributed.parallel_state as vps
+            from vllm.config import get_current_vllm_config
+            from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+            rec = {"pcp_size_arg": kwargs.get("pcp_size", "absent")}
+            try:
+                pcp = kwargs.get("pcp_size")
+                pcp = pcp if pcp is not None else vps.get_pcp_group().world_size
+                cfg = FusedMoEParallelConfig.make(
+                    tp_size_=get_tensor_model_parallel_world_size(), pcp_size_=pcp,
+                    dp_size_=vps.get_dp_group().world_size, sp_size_=1,
+                    vllm_parallel_config=get_current_vllm_config().parallel_config)
+                rec.update({k: getattr(cfg, k) for k in MOE_FIELDS})
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+            HunyuanFusedMoE.calls.append(rec)
+            return None
+
+        @classmethod
+        def make_expert_params_mapping(cls, *args, **kwargs):
+            return []
+
+    rel = Path(*transformer_module_name(module.__omni_version__).split(".")).with_suffix(".py")
+    src = _real_source(omni_root / rel, "HunYuanSparseMoeBlock")
+    module.__dict__.update(torch=torch, nn=nn, get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
+                           get_current_vllm_config=get_current_vllm_config, PretrainedConfig=PretrainedConfig, QuantizationConfig=QuantizationConfig,
+                           ReplicatedLinear=ReplicatedLinear, HunYuanMLP=HunYuanMLP, HunyuanFusedMoE=HunyuanFusedMoE)
+    exec(compile(src, f"<real HunYuanSparseMoeBlock from {rel}>", "exec"), module.__dict__)
+
+
+def _fill_npu(module: types.ModuleType, omni_root: Path) -> None:
+    """The real ``_init_mc2_group_for_diffusion`` and ``prepare_hunyuan_fused_moe_runtime`` of the wheel, with
+    the names they import bound to the real omni/vLLM objects; the vllm-ascend / CANN parts
+    (``_select_moe_comm_method``, ``_MoECommMethods``, forward-context attributes) are inert stand-ins."""
+    import typing
+
+    import torch
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size, init_model_parallel_group
+
+    import vllm_omni.diffusion.distributed.parallel_state as ops
+    from vllm_omni.diffusion.forward_context import get_forward_context
+
+    class MoECommType:  # vllm_ascend.ascend_forward_context.MoECommType (annotations only here)
+        pass
+
+    module.__dict__.update(
+        torch=torch, Any=typing.Any, vllm_init_model_parallel_group=init_model_parallel_group,
+        get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
+        get_world_group=ops.get_world_group, get_data_parallel_world_size=ops.get_data_parallel_world_size,
+        omni_get_ctx=get_forward_context, MoECommType=MoECommType, _MoECommMethods={},
+        _select_moe_comm_method=lambda vllm_config: None,
+        _ensure_forward_context_attr=lambda name, annotation, default: None)
+    if hasattr(ops, "get_expert_parallel_group_ranks"):  # 0.24.0
+        module.get_expert_parallel_group_ranks = ops.get_expert_parallel_group_ranks
+    rel = Path(*NPU_MOD.split(".")).with_suffix(".py")
+    for name in ("_init_mc2_group_for_diffusion", "prepare_hunyuan_fused_moe_runtime"):
+        exec(compile(_real_source(omni_root / rel, name), f"<real {name} from {rel}>", "exec"), module.__dict__)
+
+
+class _ModelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the model stand-ins (and empty parent packages) without running the real package inits."""
+
+    def __init__(self, omni_root: Path, omni_version: str):
+        self.root, self.version = Path(omni_root), omni_version
+        tf = transformer_module_name(omni_version)
+        self.fill = {tf: _fill_transformer, NPU_MOD: _fill_npu,
+                     "vllm_ascend.distributed.parallel_state": lambda m, root: m.__dict__.update(_MC2=None)}
+        fm = fused_moe_module_name(omni_version)
+        self.real = {fm: self.root / Path(*fm.split(".")).with_suffix(".py")}
+        self.packages = set()
+        for name in (*self.fill, *self.real):
+            parts = name.split(".")
+            self.packages.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        self.packages -= {"vllm_omni", "vllm_omni.diffusion", "vllm_omni.platforms"}
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.real:  # the wheel's own file, run as is
+            return importlib.util.spec_from_file_location(name, str(self.real[name]))
+        if name in self.fill:
+            return importlib.machinery.ModuleSpec(name, self, origin=f"moe-ep-standin:{name}")
+        if name in self.packages:
+            return importlib.machinery.ModuleSpec(name, self, origin=f"moe-ep-standin:{name}", is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__spec__.name
+        if name in self.fill:
+            module.__omni_version__ = self.version
+            self.fill[name](module, self.root)
+        else:
+            module.__path__ = []
+
+
+def install_model_standins(omni_version: str, *, real_layers: bool = False) -> None:
+    """Behind wrapt's import-hook finder (so the patch's post-import hooks fire), ahead of the real files.
+    ``real_layers``: the transformer stand-in holds real layers (see :func:`_fill_real_layers`)."""
+    global REAL_LAYERS
+    from support.ep_world import _OmniOverlay
+
+    REAL_LAYERS = real_layers
+    overlay = next(f for f in sys.meta_path if isinstance(f, _OmniOverlay))
+    platforms = sys.modules.get("vllm_omni.platforms")
+    if platforms is None:
+        platforms = importlib.import_module("vllm_omni.platforms")
+    platforms.current_omni_platform.impl_qualnames = {
+        "hunyuan_fused_moe": fused_moe_module_name(omni_version) + ".HunyuanFusedMoEDefault"}
+    if not hasattr(platforms, "__path__"):
+        platforms.__path__ = []  # ep_world's stand-in is a plain module; the NPU module lives below it
+    sys.meta_path.insert(sys.meta_path.index(overlay), _ModelFinder(overlay.root, omni_version))
+
+
+def _model_checks(omni_version: str) -> dict:
+    """Build the real HunYuanSparseMoeBlock and run the real ``prepare_hunyuan_fused_moe_runtime``, as the
+    runtime does when the NPU MoE layer is created (it builds vllm-ascend's MC2 group)."""
+    from types import SimpleNamespace
+
+    from patches.moe_ep_parallel_mapping.ep_equivalence import coordinator
+
+    tf = importlib.import_module(transformer_module_name(omni_version))
+    npu = importlib.import_module(NPU_MOD)
+    vaps = importlib.import_module("vllm_ascend.distributed.parallel_state")
+    cfg = SimpleNamespace(num_experts=64, moe_topk=8, intermediate_size=64, moe_intermediate_size=32,
+                          hidden_size=32, use_mixed_mlp_moe=0, num_shared_expert=1, hidden_act="silu")
+    tf.HunyuanFusedMoE.calls.clear()
+    tf.HunYuanSparseMoeBlock(cfg, layer_id=0, prefix="model.layers.0.mlp")
+    out = {"fused_moe": tf.HunyuanFusedMoE.calls[-1] if tf.HunyuanFusedMoE.calls else None,
+           "fused_moe_binding_layers": _layers(tf.__dict__["HunyuanFusedMoE"])}
+    vaps._MC2 = None
+    npu.prepare_hunyuan_fused_moe_runtime()
+    mc2 = vaps._MC2
+    out["mc2"] = coordinator(mc2)
+    if mc2 is not None:
+        mc2.destroy()
+    vaps._MC2 = None
+    return out
+
+
+def _layers(obj):
+    from omni_patches import wrapping
+
+    return wrapping.installed_by(obj)
+
+
+def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
+    """Several worker-style inits in one world: per phase init -> facts (-> model checks) -> destroy ->
+    after-destroy facts (-> re-init -> facts -> destroy). ``params``: omni_version, phases (list of dicts
+    with tp/sp/ring/cfg/dp/pp/fs/replicate/ep/moe/num_experts, optional ``reinit``, ``model`` and ``equiv``:
+    per-rank facts for the equivalence test, see ep_equivalence.py; ``forward``: the MoE
+    forward check of ep_moe_forward.py; ``pretend_ascend``: a vllm-ascend version reported
+    during the first init), worker_maps_moe_config (the worker sets vLLM PCP/DP itself, as 0.24.0's does)."""
+    import omni_patches
+    import vllm.distributed.parallel_state as vps
+
+    import vllm_omni.diffusion.distributed.parallel_state as ops
+    from patches.moe_ep_parallel_mapping import ep_equivalence as eq
+    from support.ep_world import _degrees, collect_facts, group_facts, make_od_config
+    from vllm_omni.diffusion.worker import diffusion_worker as dw
+
+    out: dict = {"phases": []}
+    dw.MAP_MOE_VLLM_CONFIG = bool(params.get("worker_maps_moe_config", False))
+    if any(p.get("model") or p.get("equiv") or p.get("forward") for p in params["phases"]):
+        install_model_standins(params["omni_version"])
+    names = ("_TP", "_PCP", "_DP", "_EP", "_PP")
+    first = True
+    for phase in params["phases"]:
+        rec: dict = {"label": phase.get("label")}
+        out["phases"].append(rec)
+        d = _degrees(phase)
+        worker = dw.DiffusionWorker(rank, make_od_config(world_size, phase))
+        eq.CAPTURED.clear()
+        t0 = time.perf_counter()
+        try:
+            with _failing_vllm_group(phase.get("fail_group")), _pretend_ascend(phase.get("pretend_ascend")):
+                worker.init_device(init_dist=first)
+        except Exception as exc:
+            first = False
+            rec["init_error"] = f"{type(exc).__name__}: {exc}"
+            ops.destroy_model_parallel()  # the original raised half-way: clean up for the next phase
+            rec["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+            if phase.get("equiv"):
+                rec["equiv"] = {"init_error": rec["init_error"], "after_destroy": eq.after_destroy_facts()}
+            continue
+        first = False
+        rec["init_s"] = round(time.perf_counter() - t0, 3)
+        all2all = list(eq.CAPTURED)
+        with worker.contexts():
+            rec["first"] = collect_facts(d)
+            rec["patch_ep_ranks"] = _patch_ranks()
+            if phase.get("equiv"):
+                rec["equiv"] = dict(eq.layout_facts(), all2all=all2all)
+            if phase.get("model") or phase.get("equiv"):
+                rec["model"] = _model_checks(params["omni_version"])
+                if phase.get("equiv"):
+                    rec["equiv"].update(fused_moe=rec["model"]["fused_moe"], mc2=rec["model"]["mc2"])
+            if phase.get("forward"):
+                from patches.moe_ep_parallel_mapping.ep_moe_forward import forward_checks
+
+                # Token counts differ between CFG·DP blocks (cond/uncond prompts, other requests), not
+                # within one (TP peers replicate, SP shards are padded alike).
+                block = d["tp"] * d["sp"] * d["pp"]
+                rec["forward"] = forward_checks(params["omni_version"], 3 + 2 * (rank // block), rank)
+        if phase.get("pretend_ascend"):
+            st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
+            rec["reason_after_init"] = None if st is None else st.reason
+        built = {n: getattr(vps, n, None) for n in names}
+        ops.destroy_model_parallel()
+        rec["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+        if phase.get("equiv"):
+            rec["equiv"]["after_destroy"] = eq.after_destroy_facts()
+        rec["built_alive_after_destroy"] = {n: _alive(g) for n, g in built.items()}
+        rec["patch_ep_ranks_after_destroy"] = _patch_ranks()
+        if phase.get("reinit"):
+            worker.init_device(init_dist=False)
+            with worker.contexts():
+                rec["second"] = collect_facts(d)
+            ops.destroy_model_parallel()
+            rec["after_second_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in names}
+        rec["phase_s"] = round(time.perf_counter() - t0, 3)
+    st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
+    out["patch"] = None if st is None else {"state": st.state, "reason": st.reason,
+                                            "applied_targets": list(st.applied_targets)}
+    out["worker_binding_layers"] = _layers(dw.__dict__["initialize_model_parallel"])
+    ops.destroy_distributed_env()
+    return out
+
+
+def _pretend_ascend(version):
+    """``omni_patches.versions.installed("vllm-ascend")`` answers ``version`` during the init (CPU worlds have
+    no vllm-ascend; the EP patch reads it to warn about vllm-ascend's context-parallel switch)."""
+    import os
+    from contextlib import ExitStack, nullcontext
+    from unittest import mock
+
+    from omni_patches import versions
+
+    if not version:
+        return nullcontext()
+    real = versions.installed
+
+    def installed(dist):
+        return ("vllm-ascend", version) if dist == "vllm-ascend" else real(dist)
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(versions, "installed", side_effect=installed))
+    stack.enter_context(mock.patch.dict(os.environ))
+    os.environ.pop("VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL", None)  # the switch is off
+    return stack
+
+
+def _failing_vllm_group(group_name):
+    """Failure injection: vLLM's ``init_model_parallel_group`` raises for ``group_name`` (in every rank, before
+    any process group of it is created, so the ranks stay in step); other groups are built as usual."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    import vllm.distributed.parallel_state as vps
+
+    if not group_name:
+        return nullcontext()
+    real = vps.init_model_parallel_group
+
+    def init_model_parallel_group(*args, **kwargs):
+        if kwargs.get("group_name") == group_name:
+            raise RuntimeError(f"injected: cannot build the {group_name!r} group")
+        return real(*args, **kwargs)
+
+    return mock.patch.object(vps, "init_model_parallel_group", side_effect=init_model_parallel_group)
+
+
+def _alive(g):
+    if g is None:
+        return None
+    return getattr(g, "cpu_group", None) is not None or getattr(g, "device_group", None) is not None
+
+
+def _patch_ranks():
+    mod = sys.modules.get("omni_patches.patches.moe_ep_parallel_mapping")
+    return None if mod is None else mod.get_expert_parallel_group_ranks()
