@@ -42,6 +42,14 @@ else:
 os.environ["OMNI_PATCHES_STATE_DIR"] = SESSION_STATE_DIR
 STATE_GUARD = StateGuard(DEFAULT_STATE_DIR, SESSION_STATE_DIR).start()
 
+# Bytecode of every interpreter the suite starts (contract children, worlds, stack servers) goes to one directory
+# under the cache root and is reused: with PYTHONDONTWRITEBYTECODE (set on some machines) each child compiled vLLM,
+# transformers and torch's Python again, about half of a contract case's CPU time. Stale entries: wheels.clean_once.
+from support.wheels import PYCACHE  # noqa: E402
+
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+
 # Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
 # to unless told otherwise, and rendezvous goes to MASTER_ADDR.
 os.environ.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})

@@ -23,6 +23,8 @@ from omni_patches import index
 
 
 CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
+#: ``PYTHONPYCACHEPREFIX`` of the suite's interpreters (tests/conftest.py): ``PYCACHE/<source dir>/<mod>.<tag>.pyc``.
+PYCACHE = CACHE / "pycache"
 
 
 @contextmanager
@@ -350,7 +352,27 @@ def clean_once() -> None:
         for stored in STORE.glob("*/*"):  # content no tree links any more
             if stored.stat().st_nlink == 1:
                 stored.unlink(missing_ok=True)
+        _clean_bytecode()
         _clean_uv_cache(CACHE / "uv")
+
+
+def _clean_bytecode() -> None:
+    """Remove bytecode whose source is gone (a temporary directory, a rebuilt venv, a superseded tree)."""
+    for top, dirs, files in os.walk(PYCACHE, topdown=False):
+        source_dir = "/" + os.path.relpath(top, PYCACHE) if top != str(PYCACHE) else None
+        for name in files:
+            module = name.split(".", 1)[0]
+            if source_dir is None or not name.endswith(".pyc") or \
+                    not os.path.exists(os.path.join(source_dir, module + ".py")):
+                try:
+                    os.unlink(os.path.join(top, name))
+                except OSError:
+                    pass
+        if top != str(PYCACHE):
+            try:
+                os.rmdir(top)  # only when empty
+            except OSError:
+                pass
 
 
 def _clean_uv_cache(uv_cache: Path) -> None:
