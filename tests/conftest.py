@@ -63,13 +63,15 @@ HEAVY = ("test_serving.py", "test_ray_cluster.py", "test_moe_ep_numeric.py", "te
 
 def pytest_collection_modifyitems(session, config, items):
     """The state-isolation check runs last, after every test that could have leaked a record; heavy files share
-    one xdist group."""
+    one xdist group and come first (the longest unit starts at once, the other worker takes everything else)."""
     last = [i for i in items if i.nodeid.startswith("tests/test_state_isolation.py") or
             i.nodeid.startswith("test_state_isolation.py")]
-    items[:] = [i for i in items if i not in last] + last
-    for item in items:
-        if item.path.name in HEAVY and not item.get_closest_marker("xdist_group"):
+    heavy = [i for i in items if i.path.name in HEAVY and i not in last]
+    for item in heavy:
+        if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group("heavy"))
+    placed = {id(i) for i in heavy + last}
+    items[:] = heavy + [i for i in items if id(i) not in placed] + last
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,9 +1,11 @@
 """Fetch real upstream distributions from PyPI once and cache them for every test run.
 
 Nothing here imports the upstream code: a wheel is installed ``--no-deps --target`` by uv into a cache
-directory (its files hard-linked from the uv cache the stack venvs share, see ``stacks.py``); an sdist is
-downloaded (from the index directly: pip cannot build their metadata) and extracted. Tests then load single
-real files (``loader.py``, ``parallel_state.py`` ...) next to small stubs.
+directory (hard-linked from the uv cache the stack venvs share when a stack holds the release, else through a
+throw-away uv cache); an sdist is downloaded (from the index directly: pip cannot build their metadata) and
+extracted. Compiled code is left out (:data:`FILTER`) and identical files of all trees, sandboxes and deps
+directories are hard-linked to one copy (:data:`STORE`). Tests then load single real files (``loader.py``,
+``parallel_state.py`` ...) next to small stubs. :func:`clean_once` removes what older layouts left.
 
 Cache root: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
 """
