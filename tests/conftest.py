@@ -58,7 +58,8 @@ os.environ.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
 #: Files whose tests start whole servers or clusters, or many ranks at once: under pytest-xdist (``--dist
 #: loadgroup``) they form one group, run one after another on one worker, never beside each other; every other
 #: test spreads over the workers.
-HEAVY = ("test_serving.py", "test_ray_cluster.py", "test_moe_ep_numeric.py", "test_executor_failure.py")
+HEAVY = ("test_serving.py", "test_ray_cluster.py", "test_moe_ep.py", "test_moe_ep_numeric.py",
+         "test_executor_failure.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+from omni_patches import fleet
+
 from support import serving
 from support.stacks import SUPPORTED
 
@@ -182,9 +184,13 @@ def run(request):
     omni = request.param
     serving.serving_python(omni)  # the stack, with this checkout installed
     started = time.monotonic()
-    # Logs and state directories of the last run per stack, kept for inspection under the cache root.
-    workdir = serving.SERVING / "runs" / omni
-    shutil.rmtree(workdir, ignore_errors=True)
+    # Logs and state directories of the last run per stack and session, kept for inspection under the cache root;
+    # another session's are left alone while its process lives (two checkouts may serve at once).
+    workdir = serving.SERVING / "runs" / f"{omni}-{os.getpid()}"
+    for old in (serving.SERVING / "runs").glob(f"{omni}*"):
+        pid = old.name.rpartition("-")[2]
+        if old == workdir or not pid.isdigit() or not fleet.alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
     r = StackRun(omni, workdir)
     yield r
     print(f"\nserving tier, vllm-omni {omni}: {time.monotonic() - started:.0f}s "

@@ -8,6 +8,9 @@ import sys
 
 import omni_patches
 from omni_patches import engine, registry, wrapping
+from omni_patches.states import State
+
+DRIFTED_KIND = "drifted"
 
 
 def _import_targets(spec, env):
@@ -71,11 +74,11 @@ def _reload(pid, mods, changed, applied):
     stock = [c for c in ours if pid not in _layers(now, c)]
     st = _status(pid)
     if not stock:
-        assert st.state == "applied", f"importlib.reload({name}) left every patched attribute in place: {st}"
+        assert st.state == State.APPLIED, f"importlib.reload({name}) left every patched attribute in place: {st}"
         return f"{name}: reloaded, every patched attribute still in place (not defined by its code, or a loader that does not re-execute)"
-    assert st.state == "reverted", f"after importlib.reload({name}) {stock} are stock, status says {st.state}: " \
+    assert st.state == State.REVERTED, f"after importlib.reload({name}) {stock} are stock, status says {st.state}: " \
                                    f"{st.reason}"
-    assert engine.reapply(mods[name]).get(pid) == "applied", _status(pid)
+    assert engine.reapply(mods[name]).get(pid) == State.APPLIED, _status(pid)
     now = _snapshot(mods)
     assert not [c for c in stock if pid not in _layers(now, c)], "reapply left stock attributes"
     _wrapped_once(pid, now, changed)
@@ -119,7 +122,7 @@ def _unexpected(case, index, report):
     stock = _outcome(item.drive)
     assert omni_patches.activate() is True
     st = _status(case.patch_id)
-    assert st.state == "applied", f"the unexpected input needs the patch applied: {st.state}: {st.reason}"
+    assert st.state == State.APPLIED, f"the unexpected input needs the patch applied: {st.state}: {st.reason}"
     patched = [_outcome(item.drive) for _ in range(2)]
     report.update(stock=[stock[0], fingerprint(stock[1]) if stock[0] == "returned" else stock[1]])
     for kind, value in patched:
@@ -143,18 +146,18 @@ def main(case_ref, kind, index):
     case = importlib.import_module(case_ref).CASE
     spec = registry.load().specs[case.patch_id]
     if kind == "affected":
-        env, expect_state, reason_part = case.affected[index], "applied", ""
+        env, expect_state, reason_part = case.affected[index], State.APPLIED, ""
     elif kind == "lazy":
-        env, expect_state, reason_part = case.affected[index], "applied", ""
+        env, expect_state, reason_part = case.affected[index], State.APPLIED, ""
     elif kind == "skipped":
         env, expect_state, reason_part = case.skipped[index]
-    elif kind == "drifted":
-        (env, reason_part), expect_state = case.drifted[index], "drifted"
+    elif kind == DRIFTED_KIND:  # the kind of check, spelled like the state it expects
+        (env, reason_part), expect_state = case.drifted[index], State.DRIFTED
     elif kind == "unexpected":
-        env, expect_state, reason_part = case.unexpected[index].env, "applied", ""
+        env, expect_state, reason_part = case.unexpected[index].env, State.APPLIED, ""
     elif kind == "source":
         env, expect_state, reason_part = case.source_built[index]
-        if expect_state == "applied":
+        if expect_state == State.APPLIED:
             kind = "affected"  # the full check (applies once, undo) plus the reason
     else:
         raise SystemExit(f"unknown kind {kind}")
@@ -171,10 +174,10 @@ def main(case_ref, kind, index):
 
     if kind == "lazy":
         assert omni_patches.activate() is True
-        assert _status(case.patch_id).state == "pending", _status(case.patch_id)
+        assert _status(case.patch_id).state == State.PENDING, _status(case.patch_id)
         mods, missing = _import_targets(spec, env)
         st = _status(case.patch_id)
-        assert st.state == "applied", st
+        assert st.state == State.APPLIED, st
         report.update(applied_targets=list(st.applied_targets), not_importable=missing, ok=True)
         print("CONTRACT " + json.dumps(report))
         return
@@ -211,7 +214,7 @@ def main(case_ref, kind, index):
     engine.deactivate()
     assert omni_patches.activate() is True
     st = _status(case.patch_id)
-    assert st.state == "applied", f"applied again after undo: {st.state}: {st.reason}"
+    assert st.state == State.APPLIED, f"applied again after undo: {st.state}: {st.reason}"
     again = _snapshot(mods)
     assert sorted(_changed(before, again)) == sorted(changed), (changed, _changed(before, again))
     _wrapped_once(case.patch_id, again, changed)

@@ -34,18 +34,29 @@ def locked(cache, key):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def held_if_free(path):
+    """Hold the lock file ``path`` (created if missing) only if nobody else holds it: yields True while held, or
+    False at once when another process has it (for work that may be skipped, e.g. a clean-up)."""
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def is_free(cache, key):
     """Whether nobody holds ``<cache>/.<key>.lock`` now (so a ``.part`` of that key is debris, not work)."""
     path = os.path.join(cache, f".{key}.lock")
     if not os.path.exists(path):
         return True
-    with open(path) as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        return True
+    with held_if_free(path) as held:
+        return held
 
 
 def is_complete(dest, marker=""):

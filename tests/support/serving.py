@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from .stacks import install_project, stack_python
-from .wheels import CACHE, _locked, sandbox
+from .wheels import CACHE, locked, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
@@ -94,7 +94,7 @@ def serving_python(omni: str) -> Path:
     """The stack's interpreter with this checkout installed (non-editably: the stack runs the code under test)."""
     if omni not in _installed:
         python = stack_python(omni)
-        with _locked(f"serving-install-{omni}"):
+        with locked(f"serving-install-{omni}"):
             if not _installed_is_current(python):
                 install_project(python, ROOT)
         _installed[omni] = python
@@ -169,7 +169,7 @@ def tiny_model(omni: str) -> dict:
     src = (SUPPORT / "serving_model.py").read_text()
     dst = SERVING / f"model-{omni}-{hashlib.sha256(src.encode()).hexdigest()[:12]}"
     info = dst / "info.json"
-    with _locked(f"serving-{dst.name}"):
+    with locked(f"serving-{dst.name}"):
         if not info.exists():
             tmp = dst.with_name(dst.name + ".part")
             shutil.rmtree(tmp, ignore_errors=True)

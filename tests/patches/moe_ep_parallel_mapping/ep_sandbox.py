@@ -14,7 +14,7 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from support.wheels import CACHE, _locked, unpacked
+from support.wheels import CACHE, locked, unpacked
 
 HOLLOW = ["vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.attention",
           "vllm_omni.diffusion.attention.backends", "vllm_omni.diffusion.worker"]
@@ -37,7 +37,7 @@ def ep_sandbox(omni_version: str) -> Path:
     src = unpacked("vllm-omni", omni_version)
     key = hashlib.sha256(f"{src}|{_RECIPE}".encode()).hexdigest()[:12]
     dst = CACHE / "sandboxes" / f"moe-ep-{omni_version}-{key}"
-    with _locked(f"moe-ep-sandbox-{omni_version}"):
+    with locked(f"moe-ep-sandbox-{omni_version}"):
         if not (dst / ".complete").exists():
             shutil.rmtree(dst, ignore_errors=True)
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
