@@ -220,7 +220,7 @@ def _control(name: str | None, omni_version: str):
         if hasattr(fused, "_set_forward_context_dp_metadata"):  # 0.24.0's pre-hook looks the name up per call
             stack.enter_context(mock.patch.object(fused, "_set_forward_context_dp_metadata", lambda n: None))
         mod = importlib.import_module(PATCH_MODULE)
-        stack.enter_context(mock.patch.object(mod, "_fill_dp_metadata", lambda n: None))
+        stack.enter_context(mock.patch.object(mod, "_fill_dp_metadata", lambda st, n: None))
         with stack:
             yield
     elif name == "combine_pcp_first":
