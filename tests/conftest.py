@@ -53,6 +53,10 @@ os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
 # Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
 # to unless told otherwise, and rendezvous goes to MASTER_ADDR.
 os.environ.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
+# vLLM's zmq IPC sockets go to VLLM_RPC_BASE_PATH (default: the temp dir, never removed by vLLM): one directory of
+# the session's, removed at its end.
+IPC_DIR = tempfile.mkdtemp(prefix="omni-patches-test-ipc-")
+os.environ["VLLM_RPC_BASE_PATH"] = IPC_DIR
 
 
 #: Files whose tests start whole servers or clusters, or many ranks at once: under pytest-xdist (``--dist
@@ -89,6 +93,7 @@ def pytest_sessionfinish(session, exitstatus):
     STATE_GUARD.stop()
     if SESSION_ROOT == SESSION_STATE_DIR:
         shutil.rmtree(SESSION_ROOT, ignore_errors=True)
+    shutil.rmtree(IPC_DIR, ignore_errors=True)
 
 
 class _ListHandler(logging.Handler):

@@ -207,7 +207,12 @@ def download(name, version, cache, fetch_timeout=DEFAULT_FETCH_TIMEOUT):
         def pip(extra, env):
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "--disable-pip-version-check",
                    *extra, "-d", tmp, f"{name}=={version}"]
-            _, out, err = _run_bounded(cmd, {**env, **os.environ}, deadline)
+            scratch = dest + ".pip-tmp"  # pip's own temp dirs: removed even when the deadline kills pip
+            os.makedirs(scratch, exist_ok=True)
+            try:
+                _, out, err = _run_bounded(cmd, {**env, **os.environ, "TMPDIR": scratch}, deadline)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
             tail = (err or out).strip().splitlines()[-2:]
             return f"{' '.join(cmd[3:])}: " + " | ".join(tail)
 
