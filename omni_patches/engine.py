@@ -328,9 +328,7 @@ def check_target(spec, decision, target, module):
     from .runs import PatchRun
 
     rt = PatchRun(spec.id, decision)
-    sink, outcome = _attempt(spec, target, module, rt, dry_run=True)
-    for record in reversed(sink):  # pragma: no cover - a dry run installs nothing
-        record.undo()
+    _, outcome = _attempt(spec, target, module, rt, dry_run=True)  # a dry run installs nothing
     if outcome is None:
         rt.set(State.READY, "")
     else:

@@ -2,7 +2,7 @@
 are the typed words of :mod:`omni_patches.states`)."""
 from dataclasses import asdict, dataclass, field
 
-from .states import HARMLESS_CAUSES, STATES, Cause, State  # noqa: F401  (re-exported)
+from .states import Cause, State
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import os
 import sys
 
 from . import engine, flags, registry
-from .records import HARMLESS_CAUSES, PatchStatus, State
+from .records import PatchStatus
+from .states import HARMLESS_CAUSES, State
 
 
 def _record(spec, state, reason, decision, applied=(), changed=(), cause=None, **extra):

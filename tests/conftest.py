@@ -57,6 +57,7 @@ os.environ.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
 # the session's, removed at its end.
 IPC_DIR = tempfile.mkdtemp(prefix="omni-patches-test-ipc-")
 os.environ["VLLM_RPC_BASE_PATH"] = IPC_DIR
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(IPC_DIR, "inductor")  # torch's default: /tmp/torchinductor_<user>
 
 
 #: Files whose tests start whole servers or clusters, or many ranks at once: under pytest-xdist (``--dist

@@ -12,7 +12,7 @@ import pytest
 
 import omni_patches
 from omni_patches import engine, flags, gates, versions, wrapping
-from omni_patches.records import STATES
+from omni_patches.states import STATES
 from support import fakes
 from support.fakes import FAKE_LOADER, entry
 

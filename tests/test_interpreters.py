@@ -215,7 +215,7 @@ def test_pep829_start_file_activates_once_beside_the_pth(venv):
         import pkgutil, sys
         pkgutil.resolve_name({line!r})()        # what site.py does for a .start file
         import omni_patches.engine as e, fakeomni.loader
-        print(e._state.sources, fakeomni.loader.compute(3))
+        print(e.snapshot().sources, fakeomni.loader.compute(3))
     """)
     out = run(venv["python"], code, OMNI_PATCHES="1", OMNI_PATCHES_CONFIG=venv["registry"])
     assert out.returncode == 0, out.stderr

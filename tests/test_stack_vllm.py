@@ -13,7 +13,7 @@ PLUGIN_PROBE = textwrap.dedent("""
     from vllm.plugins import load_general_plugins
     load_general_plugins()
     e = sys.modules.get("omni_patches.engine")
-    print(json.dumps({"sources": e._state.sources if e and e._state else None}))
+    print(json.dumps({"sources": e.snapshot().sources if e and e.is_active() else None}))
 """)
 
 
