@@ -55,9 +55,28 @@ os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
 os.environ.update({"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
 # vLLM's zmq IPC sockets go to VLLM_RPC_BASE_PATH (default: the temp dir, never removed by vLLM): one directory of
 # the session's, removed at its end.
-IPC_DIR = tempfile.mkdtemp(prefix="omni-patches-test-ipc-")
+# Under xdist the workers share the controller's (socket names are unique; a nested directory could push a socket
+# path past the 107 characters a unix socket allows).
+_IPC_ENV = "OMNI_TEST_SESSION_TMP"
+if XDIST_WORKER and os.environ.get(_IPC_ENV):
+    IPC_DIR, _OWN_IPC_DIR = os.environ[_IPC_ENV], False
+else:
+    IPC_DIR, _OWN_IPC_DIR = tempfile.mkdtemp(prefix="omni-patches-test-ipc-"), True
+    os.environ[_IPC_ENV] = IPC_DIR
 os.environ["VLLM_RPC_BASE_PATH"] = IPC_DIR
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(IPC_DIR, "inductor")  # torch's default: /tmp/torchinductor_<user>
+# Every process the session starts keeps its temporary files there too (a killed multiprocessing server's
+# pymp-* directory, a library's own temp files); this process already chose its temp dir.
+os.environ["TMPDIR"] = IPC_DIR
+
+
+def pytest_configure(config):
+    """pytest's own temporary directories (``tmp_path``, ``tmp_path_factory``) in one directory of the session's:
+    removed when every test passed, kept (and named) when one failed. Workers under xdist get theirs from the
+    controller."""
+    if config.option.basetemp is None and not XDIST_WORKER:
+        config.option.basetemp = tempfile.mkdtemp(prefix="omni-patches-test-tmp-")
+        config._omni_basetemp = config.option.basetemp
 
 
 #: Files whose tests start whole servers or clusters, or many ranks at once: under pytest-xdist (``--dist
@@ -92,9 +111,18 @@ def pytest_sessionfinish(session, exitstatus):
                                     f"{DEFAULT_STATE_DIR}: {leaked}", red=True)
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     STATE_GUARD.stop()
+    basetemp = getattr(session.config, "_omni_basetemp", None)
+    if basetemp:
+        if session.exitstatus == 0:
+            shutil.rmtree(basetemp, ignore_errors=True)
+        else:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"the failed tests' temporary directories: {basetemp}")
     if SESSION_ROOT == SESSION_STATE_DIR:
         shutil.rmtree(SESSION_ROOT, ignore_errors=True)
-    shutil.rmtree(IPC_DIR, ignore_errors=True)
+    if _OWN_IPC_DIR:
+        shutil.rmtree(IPC_DIR, ignore_errors=True)
 
 
 class _ListHandler(logging.Handler):

@@ -1,7 +1,8 @@
 """The contract every patch passes, as a harness: for the built-in patches (tests/test_contract.py) and for an
 operator's overlay patch (``OMNI_PATCHES_CONFIG``). Describe where the patch's targets live with :class:`Case`
 / :class:`Env` / :class:`Unexpected` in a module that defines ``CASE``, then run each of :func:`parts` with
-:func:`check` -- each in a fresh interpreter::
+:func:`check` -- each in an interpreter of its own (a fork of :mod:`omni_patches.testing.zygote`, which imported
+torch once and nothing of omni-patches, vLLM or the case; ``OMNI_TESTING_ZYGOTE=0``: one started for it alone)::
 
     import pytest
     from omni_patches import testing

@@ -10,8 +10,8 @@ A patch's test author describes *where* its target lives, in a module defining `
                               "def _prepare_lora_delta(", "def _prepare_lora_delta_v2("), "no attribute")],
     )
 
-and and :func:`check` runs each part in a fresh interpreter (real upstream files and their stubs never leak
-between cases): it applies on every affected version (target imported before activation, and lazily
+and :func:`check` runs each part in an interpreter of its own (real upstream files and their stubs never leak
+between cases; see :mod:`omni_patches.testing.zygote`): it applies on every affected version (target imported before activation, and lazily
 after it), applies once (a second activation and a re-fired import hook change nothing), unapplies to
 the identical original objects, skips outside its versions with the expected reason, and reports drift
 -- never applying anything -- when its target changed shape.
@@ -53,6 +53,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OMNI_TEST_CACHE") or Path.home() / ".cache" / "omni-patches-tests")
 
 
+#: Written into an edited copy's ``.complete`` marker; copies of an earlier layout (whole files, an empty marker)
+#: can be told apart and removed by whoever cleans the cache.
+EDITED_LAYOUT = "hard-linked 1"
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(src, dst)
+    return dst
+
+
 @dataclass
 class Env:
     """A target version made importable: sys.path entries to prepend (built lazily) plus env vars."""
@@ -71,15 +84,20 @@ class Env:
             src = Path(src_paths[0])
             key = hashlib.sha256(f"{src}|{relpath}|{old}|{new}".encode()).hexdigest()[:12]
             dst = cache_dir() / "edited" / f"{label}-{key}"
-            if not (dst / ".complete").exists():
+            marker = dst / ".complete"
+            if not marker.exists() or marker.read_text(errors="replace") != EDITED_LAYOUT:
                 shutil.rmtree(dst, ignore_errors=True)
-                shutil.copytree(src, dst, symlinks=True)
+                # Hard links where the file system allows (a release tree is ~100 MB, the edit one file), so the
+                # edited file is replaced, never written through its link into the release it came from.
+                shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy,
+                                ignore=shutil.ignore_patterns("__pycache__"))
                 target = dst / relpath
                 text = target.read_text()
                 if old not in text:
                     raise AssertionError(f"{relpath}: {old!r} not found; the drift edit is stale")
+                target.unlink()
                 target.write_text(text.replace(old, new))
-                (dst / ".complete").touch()
+                marker.write_text(EDITED_LAYOUT)
             return [str(dst), *src_paths[1:]]
 
         return cls(label, build, {**base.env, **kw.pop("env", {})}, kw.pop("imports", base.imports))
@@ -137,7 +155,7 @@ def parts(case: Case, lazy=None) -> list:
 
 def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=None, timeout: int = 600) -> dict:
     """Run one part of the contract of the case in module ``case_ref`` (its ``CASE``; importable with
-    ``pythonpath``) in a fresh interpreter. Returns its JSON report (``ok`` plus details); raises AssertionError
+    ``pythonpath``) in an interpreter of its own (forked from a zygote: :class:`Zygotes`). Returns its JSON report (``ok`` plus details); raises AssertionError
     with the child's output when a check fails. ``env``: the child's environment (default this one's without
     the ``OMNI_PATCHES*`` switches -- the child sets what each part needs -- keeping ``OMNI_PATCHES_CONFIG``,
     which names an overlay patch's registry)."""
@@ -148,10 +166,102 @@ def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") or k in keep}
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "omni_patches.testing.child", case_ref, kind, str(index)],
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CONTRACT ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"contract child failed (rc={proc.returncode})\n--- stdout\n{proc.stdout[-6000:]}"
-                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    argv = [case_ref, kind, str(index)]
+    ran = zygotes.run(argv, env, cwd, timeout) if zygotes.wanted(env) else None
+    if ran is None:  # a fresh interpreter of its own
+        proc = subprocess.run([sys.executable, "-m", "omni_patches.testing.child", *argv],
+                              capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+        ran = proc.returncode, proc.stdout, proc.stderr
+    rc, stdout, stderr = ran
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("CONTRACT ")]
+    if rc != 0 or not lines:
+        raise AssertionError(f"contract child failed (rc={rc})\n--- stdout\n{stdout[-6000:]}"
+                             f"\n--- stderr\n{stderr[-6000:]}")
     return json.loads(lines[-1][len("CONTRACT "):])
+
+
+#: ``0`` runs every check in an interpreter started for it alone (slower; the zygote is the default).
+ZYGOTE_ENV = "OMNI_TESTING_ZYGOTE"
+
+
+class Zygotes:
+    """One :mod:`omni_patches.testing.zygote` per (environment, working directory) this process checks in: a check
+    is a fork of a parent that imported torch once. Anything wrong with a zygote (it died, it cannot start)
+    and the check runs in a fresh interpreter instead, as before."""
+
+    def __init__(self):
+        self._procs = {}
+
+    @staticmethod
+    def wanted(env) -> bool:
+        return env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV, "1")).strip().lower() not in ("0", "false", "no", "off")
+
+    #: What may differ between the checks one zygote forks: pytest names the running test in the environment.
+    VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+    MAX = 3  # zygotes alive at once (each holds an interpreter with torch imported)
+
+    def _get(self, env, cwd):
+        key = (tuple(sorted((k, v) for k, v in env.items() if k not in self.VOLATILE)), str(cwd or ""))
+        proc = self._procs.get(key)
+        if proc is None or proc.poll() is not None:
+            if not self._procs:
+                import atexit
+
+                atexit.register(self.close)
+            self._procs.pop(key, None)
+            while len(self._procs) >= self.MAX:  # the oldest goes: a run rarely returns to an environment it left
+                self._stop(self._procs.pop(next(iter(self._procs))))
+            proc = self._procs[key] = subprocess.Popen(
+                [sys.executable, "-m", "omni_patches.testing.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env=env, cwd=cwd, text=True)
+        return key, proc
+
+    def run(self, argv, env, cwd, timeout):
+        """``(returncode, stdout, stderr)`` of the check, or None when no zygote could run it."""
+        import tempfile
+
+        key, proc = self._get(env, cwd)
+        fd_out, out = tempfile.mkstemp(prefix="omni-contract-", suffix=".out")
+        fd_err, err = tempfile.mkstemp(prefix="omni-contract-", suffix=".err")
+        os.close(fd_out)
+        os.close(fd_err)
+        try:
+            try:
+                proc.stdin.write(json.dumps({"argv": argv, "out": out, "err": err, "timeout": timeout,
+                                             "env": dict(env)}) + "\n")
+                proc.stdin.flush()
+                answer = proc.stdout.readline()
+            except OSError:
+                answer = ""
+            if not answer:  # the zygote is gone: forget it; this check runs fresh
+                self._procs.pop(key, None)
+                proc.kill()
+                return None
+            answer = json.loads(answer)
+            rc = answer["rc"]
+            if answer.get("timed_out"):
+                raise subprocess.TimeoutExpired(["omni_patches.testing.child", *argv], timeout)
+            with open(out, errors="replace") as o, open(err, errors="replace") as e:
+                return rc, o.read(), e.read()
+        finally:
+            for path in (out, err):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _stop(proc):
+        try:
+            proc.stdin.close()  # end of input: the zygote leaves
+            proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - make sure it is gone
+            proc.kill()
+
+    def close(self):
+        for proc in self._procs.values():
+            self._stop(proc)
+        self._procs.clear()
+
+
+zygotes = Zygotes()

@@ -58,6 +58,12 @@ VENV_DEPS = [
     "py-cpuinfo", "prometheus_client",
 ]
 PARENT_TIMEOUT_S = float(os.environ.get("OMNI_EP_WORLD_TIMEOUT", "300"))
+#: One world's bound (a healthy 8-rank world takes ~10-30 s on 2 loaded cores): a world whose ranks wait in a
+#: collective forever (a peer starved past gloo's connect timeout) ends as "gave no result" after this, so the
+#: caller can tell a transport failure and run it again, instead of the whole budget going to one stuck world.
+WORLD_TIMEOUT_S = float(os.environ.get("OMNI_EP_ONE_WORLD_TIMEOUT", "150"))
+#: After a rank reported an error its peers wait in the collective it left: how long they get to report too.
+GRACE_AFTER_ERROR_S = 20.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,7 +130,9 @@ def run_worlds(omni_version: str, worlds: list[dict], *, vllm_version: str | Non
         "omni_root": str(omni_root), "vllm_root": str(vllm_root), "omni_version": omni_version,
         "worlds": [{"setup": list(setup or []), **w, "port": free_port()} for w in worlds],
         "sys_path": [str(TESTS), *(extra_sys_path or [])],
-        "rank_timeout": (timeout or PARENT_TIMEOUT_S) - 10,
+        # The driver's bound ends well before the parent's, which also counts the driver's own start-up: the
+        # driver always gets to report which rank did what.
+        "rank_timeout": (timeout or PARENT_TIMEOUT_S) - 45,
         "start_method": start_method,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VLLM_PLUGINS"))}
@@ -419,7 +427,8 @@ def _driver() -> None:
                  for r in range(wjob["world_size"])]
         for p in procs:
             p.start()
-        all_results.append(gather(procs, queue, max(5.0, deadline - time.monotonic()), t0=t0))
+        bound = min(WORLD_TIMEOUT_S, max(5.0, deadline - time.monotonic()))
+        all_results.append(gather(procs, queue, bound, t0=t0, grace_after_error=GRACE_AFTER_ERROR_S))
     print("@@EPWORLD@@" + json.dumps(all_results), flush=True)
 
 

@@ -106,7 +106,8 @@ class Cluster:
         env = {"PATH": f"{self.bin}:/usr/bin:/bin", "HOME": self.home, "LANG": "C.UTF-8",
                "PYTHONPATH": self.pythonpath, "VLLM_HOST_IP": ip, "GLOO_SOCKET_IFNAME": "lo",
                "RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+               "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               "TMPDIR": self.work}  # vLLM's IPC sockets and torch's caches: in the run's directory, removed with it
         env.update({k: str(v) for k, v in extra.items() if v is not None})
         return env
 

@@ -271,6 +271,8 @@ class Server:
             "VLLM_CACHE_ROOT": str(SERVING / "vllm-cache"), "VLLM_CONFIG_ROOT": str(self.workdir / "vllm-config"),
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": "INFO", "TMPDIR": str(self.tmpdir),
+            # vllm-omni's file storage defaults to /tmp/storage, whatever TMPDIR says.
+            "VLLM_OMNI_SERVER_STORAGE__PATH": str(self.tmpdir / "storage"),
         })
         if self.shim:
             env["OMNI_PATCHES"] = "1"

