@@ -86,6 +86,7 @@ HEAVY = ("test_serving.py", "test_ray_cluster.py", "test_moe_ep.py", "test_moe_e
          "test_executor_failure.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks into the node ids
 def pytest_collection_modifyitems(session, config, items):
     """The state-isolation check runs last, after every test that could have leaked a record; heavy files share
     one xdist group and come first (the longest unit starts at once, the other worker takes everything else)."""
