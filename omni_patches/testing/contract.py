@@ -11,8 +11,8 @@ A patch's test author describes *where* its target lives, in a module defining `
     )
 
 and :func:`check` runs each part in an interpreter of its own (real upstream files and their stubs never leak
-between cases; see :mod:`omni_patches.testing.zygote`): it applies on every affected version (target imported before activation, and lazily
-after it), applies once (a second activation and a re-fired import hook change nothing), unapplies to
+between cases; see :mod:`omni_patches.testing.zygote`): it applies on every affected version (target
+imported before activation, and lazily after it), applies once (a second activation and a re-fired import hook change nothing), unapplies to
 the identical original objects, skips outside its versions with the expected reason, and reports drift
 -- never applying anything -- when its target changed shape.
 
@@ -155,7 +155,8 @@ def parts(case: Case, lazy=None) -> list:
 
 def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=None, timeout: int = 600) -> dict:
     """Run one part of the contract of the case in module ``case_ref`` (its ``CASE``; importable with
-    ``pythonpath``) in an interpreter of its own (forked from a zygote: :class:`Zygotes`). Returns its JSON report (``ok`` plus details); raises AssertionError
+    ``pythonpath``) in an interpreter of its own (forked from a zygote: :class:`Zygotes`). Returns its JSON
+    report (``ok`` plus details); raises AssertionError
     with the child's output when a check fails. ``env``: the child's environment (default this one's without
     the ``OMNI_PATCHES*`` switches -- the child sets what each part needs -- keeping ``OMNI_PATCHES_CONFIG``,
     which names an overlay patch's registry)."""
@@ -194,7 +195,10 @@ class Zygotes:
 
     @staticmethod
     def wanted(env) -> bool:
-        return env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV, "1")).strip().lower() not in ("0", "false", "no", "off")
+        from omni_patches.flags import OFF_WORDS
+
+        value = env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV, "1")).strip().lower()
+        return not value or value not in OFF_WORDS  # unset or empty: the default, on
 
     #: What may differ between the checks one zygote forks: pytest names the running test in the environment.
     VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
@@ -236,6 +240,7 @@ class Zygotes:
             if not answer:  # the zygote is gone: forget it; this check runs fresh
                 self._procs.pop(key, None)
                 proc.kill()
+                proc.wait()
                 return None
             answer = json.loads(answer)
             rc = answer["rc"]

@@ -8,8 +8,9 @@ as a fresh interpreter would (``runpy``, as ``__main__``). Nothing of omni-patch
 before the fork, so each child still imports its own targets, in its own order, from its own paths.
 
 Protocol (one check at a time, JSON lines): the client writes ``{"argv": [...], "out": path, "err": path,
-"timeout": s, "env": {...}}``; the zygote forks, the child writes its stdout/stderr to the two files, and the zygote answers
-``{"rc": exit status}`` (plus ``"timed_out": true`` when it killed a child that ran past ``timeout``). End of input ends the zygote.
+"timeout": s, "env": {...}}``; the zygote forks, the child writes its stdout/stderr to the two files, and the
+zygote answers ``{"rc": exit status}`` (plus ``"timed_out": true`` when it killed a child that ran past
+``timeout``). End of input ends the zygote.
 """
 from __future__ import annotations
 
