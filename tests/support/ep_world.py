@@ -58,10 +58,11 @@ VENV_DEPS = [
     "py-cpuinfo", "prometheus_client",
 ]
 PARENT_TIMEOUT_S = float(os.environ.get("OMNI_EP_WORLD_TIMEOUT", "300"))
-#: One world's bound (a healthy 8-rank world takes ~10-30 s on 2 loaded cores): a world whose ranks wait in a
-#: collective forever (a peer starved past gloo's connect timeout) ends as "gave no result" after this, so the
-#: caller can tell a transport failure and run it again, instead of the whole budget going to one stuck world.
-WORLD_TIMEOUT_S = float(os.environ.get("OMNI_EP_ONE_WORLD_TIMEOUT", "150"))
+#: One world's bound (a healthy 8-rank world takes ~10-40 s on 2 loaded cores; the first of a driver also waits for
+#: the forkserver's imports, slower with a cold bytecode cache): a world whose ranks wait in a collective forever (a
+#: peer starved past gloo's connect timeout) ends as "gave no result" after this, so the caller can tell a transport
+#: failure and run it again, instead of the whole budget going to one stuck world.
+WORLD_TIMEOUT_S = float(os.environ.get("OMNI_EP_ONE_WORLD_TIMEOUT", "240"))
 #: After a rank reported an error its peers wait in the collective it left: how long they get to report too.
 GRACE_AFTER_ERROR_S = 20.0
 
