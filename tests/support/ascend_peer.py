@@ -35,7 +35,7 @@ RELEASES = {"0.23.0.post1": ["tests/ut/ops/test_fused_moe.py", "tests/ut/ops/tes
             "0.30.0rc2": ["tests/ut/ops/test_fused_moe.py", "tests/ut/ops/test_moe_mlp.py", "tests/ut/lora"]}
 #: pytest<9 (upstream pins it) and what upstream's conftest (its adapt_patch() imports vLLM's model zoo) needs
 #: beyond ascend_real's deps; all --no-deps. torchvision is PyPI's CUDA build: stacks' torchvision op-schema fix
-#: (``stacks._TVFIX_SOURCE``) makes it import on CPU torch, as in the stack venvs.
+#: (``stacks.TVFIX_SOURCE``) makes it import on CPU torch, as in the stack venvs.
 UT_DEPS = ["pytest==8.4.2", "pytest-mock==3.14.1", "compressed-tensors==0.17.0", "loguru==0.7.3",
            "torchvision==0.28.0", "scipy==1.17.1", "tiktoken==0.14.0", "ijson==3.6.0", "mistral-common==1.13.1",
            "pydantic-extra-types==2.11.1", "pycountry==26.2.16", "jsonschema==4.26.0",
@@ -128,10 +128,10 @@ def run(release: str, *, shim: bool, paths: list[str] | None = None, timeout: in
     from .venvs import clean_env
 
     with tempfile.TemporaryDirectory(prefix="omni-peer-") as tmp:
-        from .stacks import _TVFIX_MODULE, _TVFIX_SOURCE
+        from .stacks import TVFIX_MODULE, TVFIX_SOURCE
 
         (Path(tmp) / "omni_peer_status.py").write_text(_PLUGIN)
-        (Path(tmp) / f"{_TVFIX_MODULE}.py").write_text(_TVFIX_SOURCE)
+        (Path(tmp) / f"{TVFIX_MODULE}.py").write_text(TVFIX_SOURCE)
         env = clean_env(OMNI_PEER_PATCH=PATCH_ID, OMNI_PEER_STATUS=str(Path(tmp) / "status.json"))
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         # The repository root stays off sys.path: upstream's conftest imports its own top-level `tests` package.

@@ -81,8 +81,8 @@ _UNINSTALL = ["torchaudio", "torchcodec"]
 #: a gigabyte of cache for nothing it uses.
 _EXCLUDE = ["triton"]
 
-_TVFIX_MODULE = "_omni_stack_tvfix"
-_TVFIX_SOURCE = '''\
+TVFIX_MODULE = "_omni_stack_tvfix"
+TVFIX_SOURCE = '''\
 """omni-patches test stack: let PyPI's (CUDA) torchvision import on CPU torch.
 
 Its _C extension cannot load here, so torchvision's meta registrations for
@@ -132,7 +132,7 @@ def install():
         sys.meta_path.insert(0, _TorchvisionOpsFix)
 '''
 # One line; a .pth that raises would stop every interpreter of the venv from starting.
-_TVFIX_PTH = f"import sys; exec('try:\\n import {_TVFIX_MODULE}; {_TVFIX_MODULE}.install()\\nexcept Exception: pass')\n"
+TVFIX_PTH = f"import sys; exec('try:\\n import {TVFIX_MODULE}; {TVFIX_MODULE}.install()\\nexcept Exception: pass')\n"
 
 
 #: Bumped when the way a stack is built changes (installer, link mode), not only what goes into it.
@@ -141,7 +141,7 @@ _BUILDER = "uv-hardlink-1"
 
 def _recipe_key(omni_version: str) -> str:
     vllm_version, pins = RECIPES[omni_version]
-    blob = json.dumps([_BUILDER, omni_version, vllm_version, pins, _UNINSTALL, _EXCLUDE, _TVFIX_SOURCE, _TVFIX_PTH,
+    blob = json.dumps([_BUILDER, omni_version, vllm_version, pins, _UNINSTALL, _EXCLUDE, TVFIX_SOURCE, TVFIX_PTH,
                        sys.version_info[:2]])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -162,7 +162,7 @@ def uv_command() -> list[str]:
     return [find_uv_bin()]
 
 
-def _find_links() -> list[str]:
+def find_links() -> list[str]:
     """pip's configured ``find-links`` (this machine keeps torch 2.13.0+cpu there) as uv options."""
     found = os.environ.get("PIP_FIND_LINKS", "").split()
     proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
@@ -187,7 +187,7 @@ def uv_env() -> dict:
 
 def uv_pip(python: Path, *args: str) -> list[str]:
     """``uv pip <args>`` aimed at the venv of ``python`` (find-links included for installs)."""
-    extra = _find_links() if args and args[0] == "install" else []
+    extra = find_links() if args and args[0] == "install" else []
     return [*uv_command(), "pip", *args[:1], "--python", str(python), *extra, *args[1:]]
 
 
@@ -255,11 +255,11 @@ def _site_packages(python: Path) -> Path:
 def _install_shim(python: Path) -> None:
     """Write the lazy torchvision op-schema shim into the venv's site-packages (see module doc)."""
     site = _site_packages(python)
-    (site / f"{_TVFIX_MODULE}.py").write_text(_TVFIX_SOURCE)
+    (site / f"{TVFIX_MODULE}.py").write_text(TVFIX_SOURCE)
     # Precompile: with PYTHONDONTWRITEBYTECODE=1 the module would be recompiled at every start (~1.4 ms).
-    subprocess.run([str(python), "-c", f"import py_compile; py_compile.compile({str(site / (_TVFIX_MODULE + '.py'))!r},"
+    subprocess.run([str(python), "-c", f"import py_compile; py_compile.compile({str(site / (TVFIX_MODULE + '.py'))!r},"
                     " doraise=True)"], check=True, capture_output=True)
-    (site / f"{_TVFIX_MODULE}.pth").write_text(_TVFIX_PTH)
+    (site / f"{TVFIX_MODULE}.pth").write_text(TVFIX_PTH)
 
 
 def _build(omni_version: str, venv: Path, log_path: Path) -> None:

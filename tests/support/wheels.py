@@ -53,13 +53,13 @@ def deps_dir(name: str, requirements: list[str], *, no_deps: bool = True, check:
     """A ``--target`` directory of ``requirements`` for *this* interpreter, built once and cached as
     ``CACHE/deps/<name>-py<XY>``; ``check``: a statement that must then run with it on PYTHONPATH. Installed by uv
     from the uv cache the stack venvs use (hard links): a package a stack holds at the same version is stored once."""
-    from .stacks import uv_command, uv_env, _find_links
+    from .stacks import uv_command, uv_env, find_links
 
     target = CACHE / "deps" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
 
     def build(tmp):
         proc = subprocess.run([*uv_command(), "pip", "install", "--quiet", *(["--no-deps"] if no_deps else []),
-                               "--python", sys.executable, *_find_links(), "--target", tmp, *requirements],
+                               "--python", sys.executable, *find_links(), "--target", tmp, *requirements],
                               capture_output=True, text=True, env=uv_env(), cwd=CACHE)
         if proc.returncode != 0:
             raise RuntimeError(f"installing {requirements} into {target} failed:\n{proc.stdout[-3000:]}\n"
