@@ -191,7 +191,10 @@ class Zygotes:
     and the check runs in a fresh interpreter instead, as before."""
 
     def __init__(self):
+        import atexit
+
         self._procs = {}
+        atexit.register(self.close)  # end of input: every zygote leaves with this process
 
     @staticmethod
     def wanted(env) -> bool:
@@ -208,10 +211,6 @@ class Zygotes:
         key = (tuple(sorted((k, v) for k, v in env.items() if k not in self.VOLATILE)), str(cwd or ""))
         proc = self._procs.get(key)
         if proc is None or proc.poll() is not None:
-            if not self._procs:
-                import atexit
-
-                atexit.register(self.close)
             self._procs.pop(key, None)
             while len(self._procs) >= self.MAX:  # the oldest goes: a run rarely returns to an environment it left
                 self._stop(self._procs.pop(next(iter(self._procs))))
