@@ -15,7 +15,8 @@ scratch directory: Ray's unix sockets must stay under 108 characters) and ``out`
   while the first one's records are ghosts), ``off`` (unset) and ``excluded`` (OMNI_PATCHES=1, VLLM_PLUGINS
   naming only the platform plugin). Node 2's raylet has ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=0`` and the
   drivers set it to 1: switch precedence per executor. ``omni-patches status --all-processes --ray ADDRESS``
-  runs while ``on`` and ``legacy`` serve and after they exit; then ``--prune``.
+  runs while ``on`` and ``legacy`` serve and after they exit (``on`` loses its node-2 worker to SIGKILL before it
+  stops: a record whose exit handlers never ran); then ``--prune``. The KV store is also read directly.
 * Clean-up: every process of this session (Ray's daemons and workers, drivers) is ended by pid, and the new
   /dev/shm files those processes mapped (sampled every half second while they run), that vLLM's CPU
   communicator named after this run's TCPStore port, or that name one of this session's pids
@@ -165,6 +166,17 @@ class Cluster:
             time.sleep(0.5)
         raise RuntimeError(f"driver {name} gave no result (exit {proc.poll()}):\n{tail(self.work, name + '.log')}")
 
+    def kv_keys(self):
+        """The keys of omni-patches' namespace in the cluster's KV store, read with Ray's GCS client directly."""
+        code = ("import json; from ray._raylet import GcsClient; from omni_patches.proof import KV_NAMESPACE;"
+                "g = GcsClient(address=%r); keys = g.internal_kv_keys(b'', namespace=KV_NAMESPACE.encode(), timeout=30);"
+                "print(json.dumps(sorted(k.decode() for k in keys)))" % self.address)
+        out = subprocess.run([self.python, "-c", code], env=self.base_env(HEAD_IP), capture_output=True, text=True,
+                             timeout=120)
+        if out.returncode:
+            raise RuntimeError(f"listing the KV store failed: {out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     def status(self, *args):
         cmd = [self.python, "-m", "omni_patches", "status", "--all-processes", "--ray", self.address, "--json", *args]
         started = time.monotonic()
@@ -192,12 +204,14 @@ def tail(work, name, n=80):
         return "<no log>"
 
 
-def run_scenario(cluster, name, *, while_serving=None, **env):
+def run_scenario(cluster, name, *, while_serving=None, before_stop=None, **env):
     proc, out, stop = cluster.driver(name, **env)
     try:
         result = cluster.wait_result(proc, out, name)
         if while_serving is not None:
             result["while_serving"] = while_serving()
+        if before_stop is not None:
+            before_stop(result)
     finally:
         open(stop, "w").close()
         try:
@@ -206,11 +220,21 @@ def run_scenario(cluster, name, *, while_serving=None, **env):
             proc.kill()
             result_rc = proc.wait(30)
     result["driver_exit"] = result_rc
+    # Ray ends the job's workers after the driver: wait until they are gone, so that what is read next is final.
+    pids = [w["pid"] for w in result.get("workers", [])]
+    result["workers_ended"] = bool(wait_until(lambda: not any(_running(p) for p in pids), 60))
     # vLLM's warning when it replaces a variable a worker already had (Ray forwards worker logs to the driver).
     with open(os.path.join(cluster.work, f"{name}.log"), errors="replace") as fh:
         result["overwrites"] = sorted({line.split("Overwriting environment variable ", 1)[1].strip()
                                        for line in fh if "Overwriting environment variable OMNI_PATCHES" in line})
     return result
+
+
+def kill_worker(result, ip):
+    """SIGKILL the instance's worker on ``ip`` (what the OOM killer does): no exit handler of it runs."""
+    pid = next(w["pid"] for w in result["workers"] if w["node_ip"] == ip)
+    os.kill(pid, signal.SIGKILL)
+    result["killed"] = {"pid": pid, "ended": bool(wait_until(lambda: not _running(pid), 30, 0.2))}
 
 
 def wait_until(pred, timeout, step=1.0):
@@ -350,17 +374,20 @@ def main(cfg_path):
             return {"status": cluster.status(), "all": cluster.status("--all"), "text": cluster.status_text()}
 
         t = time.monotonic()
-        result["on"] = run_scenario(cluster, "on", while_serving=serving_view, **on)
+        # Node 2's worker is SIGKILLed while serving: its record stays behind. Ray ends the other one when the
+        # driver exits, with or without its exit handlers (it varies): its record may stay or be gone.
+        result["on"] = run_scenario(cluster, "on", while_serving=serving_view,
+                                    before_stop=lambda r: kill_worker(r, NODE_IP), **on)
         result["timings"]["on"] = round(time.monotonic() - t, 1)
-        # After the driver exits Ray ends its workers (no exit handlers run): their records stay behind.
         result["after_on"] = {"default": wait_until(lambda: _all_gone(cluster.status()), 60) or cluster.status(),
-                              "text": cluster.status_text()}
+                              "text": cluster.status_text(), "kv": cluster.kv_keys()}
         t = time.monotonic()
         # The legacy executor, a new instance: while it serves, the first instance's records are ghosts.
         result["legacy"] = run_scenario(cluster, "legacy", while_serving=serving_view,
                                         VLLM_USE_RAY_V2_EXECUTOR_BACKEND="0", **on)
         result["timings"]["legacy"] = round(time.monotonic() - t, 1)
         result["after_legacy"] = wait_until(lambda: _all_gone(cluster.status("--all")), 60) or cluster.status("--all")
+        result["kv_after_legacy"] = cluster.kv_keys()
         result["prune"] = cluster.status("--prune")
         result["after_prune"] = cluster.status("--all")
 

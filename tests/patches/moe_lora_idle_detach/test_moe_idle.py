@@ -156,7 +156,7 @@ def test_real_stack_applies_through_the_pth(tmp_path, shimmed_stack):
               "wrapped": type(vars(m.DiffusionLoRAManager)["close"]).__name__}))
     """)
     proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={"OMNI_PATCHES": "1", "PATH": "/usr/bin:/bin",
+                          env={"OMNI_PATCHES": "1", "PATH": "/usr/bin:/bin", "TMPDIR": os.environ["TMPDIR"],
                                "OMNI_PATCHES_STATE_DIR": os.environ["OMNI_PATCHES_STATE_DIR"]})
     out = _result(proc)
     assert out["state"] == "applied", out
