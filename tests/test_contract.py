@@ -96,6 +96,30 @@ def test_the_public_harness_runs_an_overlay_patch(tmp_path, monkeypatch):
         testing.check("my_case", "sideways", 0)
 
 
+def test_an_edited_copy_leaves_its_source_as_it_was(tmp_path, monkeypatch):
+    """``Env.edited`` hard-links the source tree: the edited file and the copy's ``.complete`` marker are files of
+    the copy's own, so the source (a finished cache entry, with its own marker) reads as before and stays
+    finished."""
+    from omni_patches.tools import atomic
+
+    monkeypatch.setenv("OMNI_TEST_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "release"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("def run_loop():\n    pass\n")
+    (src / "pkg" / "other.py").write_text("X = 1\n")
+    (src / atomic.COMPLETE).write_text("")
+    env = testing.Env.edited("renamed", testing.Env("base", lambda: [str(src), "/elsewhere"]), "pkg/mod.py",
+                             "def run_loop(", "def serve(")
+    first = env.paths()
+    dst = Path(first[0])
+    assert first[1:] == ["/elsewhere"] and env.paths() == first  # built once
+    assert (dst / "pkg" / "mod.py").read_text().startswith("def serve(")
+    assert (src / "pkg" / "mod.py").read_text().startswith("def run_loop(")
+    assert atomic.is_complete(src) and atomic.is_complete(dst, testing.contract.EDITED_LAYOUT)
+    assert not (dst / atomic.COMPLETE).samefile(src / atomic.COMPLETE)
+    assert (dst / "pkg" / "other.py").samefile(src / "pkg" / "other.py")  # the rest: links, not copies
+
+
 # -- the call-time rule's mechanism (PatchRun.fallback, reached as ctx.run), without a target ----------------------
 def _run(patch_id="p"):
     from omni_patches.runs import PatchRun

@@ -1,6 +1,7 @@
 """The contract's zygote (:mod:`omni_patches.testing.zygote`): a check forked from it ends as the same check in an
 interpreter started for it alone would, a check past its time is killed, and a zygote that is gone costs nothing
-but speed."""
+but speed; `run_code` forks `python -c` the same way."""
+import json
 import os
 import subprocess
 import sys
@@ -87,3 +88,43 @@ def test_check_uses_the_zygote_unless_switched_off(tmp_path, monkeypatch, mocker
         with pytest.raises(AssertionError, match=r"rc=3"):
             contract.check("exiting_case", "affected", 0, pythonpath=[tmp_path])
         assert spy.called is forked and fresh.called is not forked
+
+
+PROGRAM = """import json, os, sys
+print("STATE " + json.dumps({"path": sys.path, "argv": sys.argv, "name": __name__, "env": os.environ.get("OMNI_TEST_MARK"),
+                              "main": sys.modules["__main__"].__dict__ is globals(), "loaded": "torch" in sys.modules}))
+if len(sys.argv) > 2:
+    raise ValueError(sys.argv[2])
+"""
+
+
+def _state(proc):
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("STATE ")]
+    return json.loads(line[len("STATE "):])
+
+
+@pytest.mark.parametrize("args", [("plain",), ("raising", "boom")])
+def test_run_code_in_a_fork_is_python_c(tmp_path, args):
+    """``run_code`` forks ``python -c``: the same ``sys.path`` (built from the child's own ``PYTHONPATH``: relative,
+    empty and repeated entries, as the interpreter builds it), ``sys.argv``, ``__main__``, environment, exit status
+    and last error line as a fresh interpreter, with torch already imported."""
+    (tmp_path / "rel").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
+    env.update(OMNI_TEST_MARK="x", PYTHONPATH=os.pathsep.join(["rel", str(tmp_path), "", str(tmp_path / "rel"), ""]))
+    forked = contract.run_code(PROGRAM, *args, env=env, cwd=tmp_path, timeout=120)
+    fresh = subprocess.run([sys.executable, "-c", PROGRAM, *args], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=120)
+    got, want = _state(forked), _state(fresh)
+    assert got.pop("loaded") is True and want.pop("loaded") is False
+    assert got == want and got["path"][0] == "" and got["argv"] == ["-c", *args]
+    assert forked.returncode == fresh.returncode == (1 if len(args) > 1 else 0)
+    assert forked.stderr.strip().splitlines()[-1:] == fresh.stderr.strip().splitlines()[-1:]
+    assert forked.args == [sys.executable, "-c", PROGRAM, *args]
+
+
+def test_run_code_with_the_shim_on_at_start_runs_fresh(tmp_path, mocker):
+    spy = mocker.spy(contract.zygotes, "run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES")}
+    out = contract.run_code("import sys; print('torch' in sys.modules)", env={**env, "OMNI_PATCHES": "1"},
+                            cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "False" and not spy.called

@@ -11,8 +11,10 @@ torch once and nothing of omni-patches, vLLM or the case; ``OMNI_TESTING_ZYGOTE=
     def test_contract(kind, index, label):
         assert testing.check("my_case", kind, index, pythonpath=[HERE])["ok"]
 
-What it checks is in :mod:`omni_patches.testing.contract`. Test-only: never imported by a serving process.
+:func:`run_code` runs a test's own ``python -c`` scenario the same way (forked, unless its environment turns the
+shim on at start). What the contract checks is in :mod:`omni_patches.testing.contract`. Test-only: never imported
+by a serving process.
 """
-from .contract import KINDS, Case, Env, Unexpected, cache_dir, check, parts
+from .contract import KINDS, Case, Env, Unexpected, cache_dir, check, parts, run_code
 
-__all__ = ["Case", "Env", "Unexpected", "check", "parts", "cache_dir", "KINDS"]
+__all__ = ["Case", "Env", "Unexpected", "check", "parts", "cache_dir", "run_code", "KINDS"]

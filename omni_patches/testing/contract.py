@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from omni_patches.tools import atomic
+
 
 
 def cache_dir() -> Path:
@@ -55,7 +57,7 @@ def cache_dir() -> Path:
 
 #: Written into an edited copy's ``.complete`` marker; copies of an earlier layout (whole files, an empty marker)
 #: can be told apart and removed by whoever cleans the cache.
-EDITED_LAYOUT = "hard-linked 1"
+EDITED_LAYOUT = "hard-linked 2"  # 1 copied the source's marker as a link and wrote through it
 
 
 def _link_or_copy(src, dst):
@@ -84,20 +86,23 @@ class Env:
             src = Path(src_paths[0])
             key = hashlib.sha256(f"{src}|{relpath}|{old}|{new}".encode()).hexdigest()[:12]
             dst = cache_dir() / "edited" / f"{label}-{key}"
-            marker = dst / ".complete"
-            if not marker.exists() or marker.read_text(errors="replace") != EDITED_LAYOUT:
-                shutil.rmtree(dst, ignore_errors=True)
+
+            def fill(tmp):
                 # Hard links where the file system allows (a release tree is ~100 MB, the edit one file), so the
-                # edited file is replaced, never written through its link into the release it came from.
-                shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy,
-                                ignore=shutil.ignore_patterns("__pycache__"))
-                target = dst / relpath
+                # edited file is replaced, never written through its link into the release it came from; the
+                # source's own ``.complete`` is left out (the copy's marker is written into a file of its own).
+                shutil.copytree(src, tmp, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("__pycache__", atomic.COMPLETE))
+                target = Path(tmp) / relpath
                 text = target.read_text()
                 if old not in text:
                     raise AssertionError(f"{relpath}: {old!r} not found; the drift edit is stale")
                 target.unlink()
                 target.write_text(text.replace(old, new))
-                marker.write_text(EDITED_LAYOUT)
+
+            # Under a lock, in a ``.part`` renamed into place: two processes asking for the same copy never see
+            # half of one.
+            atomic.build_once(dst, fill, cache=cache_dir() / "edited", key=dst.name, marker=EDITED_LAYOUT)
             return [str(dst), *src_paths[1:]]
 
         return cls(label, build, {**base.env, **kw.pop("env", {})}, kw.pop("imports", base.imports))
@@ -181,14 +186,28 @@ def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=
     return json.loads(lines[-1][len("CONTRACT "):])
 
 
+def run_code(code: str, *args, env=None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS`` with ``env`` (default: this one's) in ``cwd``, as ``subprocess.run(...,
+    capture_output=True, text=True)`` returns it; forked from a zygote (:class:`Zygotes`) unless ``env`` turns the
+    shim on at start (its ``.pth`` acts before any code runs: only a fresh interpreter shows that) or the zygote
+    is switched off. Raises ``subprocess.TimeoutExpired`` past ``timeout``."""
+    env = dict(os.environ if env is None else env)
+    argv = [sys.executable, "-c", code, *map(str, args)]
+    ran = zygotes.run(list(map(str, args)), env, cwd, timeout, code=code) if zygotes.wanted(env) else None
+    if ran is None:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    return subprocess.CompletedProcess(argv, *ran)
+
+
 #: ``0`` runs every check in an interpreter started for it alone (slower; the zygote is the default).
 ZYGOTE_ENV = "OMNI_TESTING_ZYGOTE"
 
 
 class Zygotes:
-    """One :mod:`omni_patches.testing.zygote` per (environment, working directory) this process checks in: a check
-    is a fork of a parent that imported torch once. Anything wrong with a zygote (it died, it cannot start)
-    and the check runs in a fresh interpreter instead, as before."""
+    """One :mod:`omni_patches.testing.zygote` per (environment, working directory) this process runs children in: a
+    child is a fork of a parent that imported torch once. ``PYTHONPATH`` is the child's own (the zygote starts
+    without it), so children of every case share a zygote. Anything wrong with a zygote (it died, it cannot
+    start) and the child runs in a fresh interpreter instead, as before."""
 
     def __init__(self):
         import atexit
@@ -200,12 +219,22 @@ class Zygotes:
     def wanted(env) -> bool:
         from omni_patches.flags import OFF_WORDS
 
+        if env.get("OMNI_PATCHES", "").strip():
+            return False  # the .pth would act in the zygote, before the fork: a fresh interpreter it is
+        for entry in filter(None, env.get("PYTHONPATH", "").split(os.pathsep)):
+            if any(os.path.exists(os.path.join(entry, f"{m}customize.py")) for m in ("site", "user")):
+                return False  # imported at interpreter start, from the child's own path: only a fresh one does that
         value = env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV, "1")).strip().lower()
         return not value or value not in OFF_WORDS  # unset or empty: the default, on
 
-    #: What may differ between the checks one zygote forks: pytest names the running test in the environment.
-    VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+    #: What may differ between the children one zygote forks: pytest names the running test in the environment,
+    #: and each child rebuilds ``sys.path`` from its own ``PYTHONPATH``.
+    VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "PYTHONPATH"})
     MAX = 3  # zygotes alive at once (each holds an interpreter with torch imported)
+    #: Starts the zygote from this checkout's (or installation's) omni_patches, then leaves its path as an
+    #: interpreter with no PYTHONPATH has it.
+    BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from omni_patches.testing import zygote; del sys.path[0];"
+            " zygote.main()")
 
     def _get(self, env, cwd):
         key = (tuple(sorted((k, v) for k, v in env.items() if k not in self.VOLATILE)), str(cwd or ""))
@@ -214,13 +243,16 @@ class Zygotes:
             self._procs.pop(key, None)
             while len(self._procs) >= self.MAX:  # the oldest goes: a run rarely returns to an environment it left
                 self._stop(self._procs.pop(next(iter(self._procs))))
+            home = str(Path(__file__).resolve().parents[2])
             proc = self._procs[key] = subprocess.Popen(
-                [sys.executable, "-m", "omni_patches.testing.zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, env=env, cwd=cwd, text=True)
+                [sys.executable, "-c", self.BOOT, home], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env={k: v for k, v in env.items() if k != "PYTHONPATH"}, cwd=cwd,
+                text=True)
         return key, proc
 
-    def run(self, argv, env, cwd, timeout):
-        """``(returncode, stdout, stderr)`` of the check, or None when no zygote could run it."""
+    def run(self, argv, env, cwd, timeout, code=None):
+        """``(returncode, stdout, stderr)`` of ``python -m omni_patches.testing.child ARGV`` (``python -c CODE
+        ARGV`` given ``code``) run with ``env`` in ``cwd``, or None when no zygote could run it."""
         import tempfile
 
         key, proc = self._get(env, cwd)
@@ -230,8 +262,11 @@ class Zygotes:
         os.close(fd_err)
         try:
             try:
-                proc.stdin.write(json.dumps({"argv": argv, "out": out, "err": err, "timeout": timeout,
-                                             "env": dict(env)}) + "\n")
+                request = {"argv": argv, "out": out, "err": err, "timeout": timeout, "env": dict(env),
+                           "cwd": os.path.abspath(cwd) if cwd else None}
+                if code is not None:
+                    request["code"] = code
+                proc.stdin.write(json.dumps(request) + "\n")
                 proc.stdin.flush()
                 answer = proc.stdout.readline()
             except OSError:
@@ -244,7 +279,8 @@ class Zygotes:
             answer = json.loads(answer)
             rc = answer["rc"]
             if answer.get("timed_out"):
-                raise subprocess.TimeoutExpired(["omni_patches.testing.child", *argv], timeout)
+                raise subprocess.TimeoutExpired(["-c" if code is not None else "omni_patches.testing.child", *argv],
+                                                timeout)
             with open(out, errors="replace") as o, open(err, errors="replace") as e:
                 return rc, o.read(), e.read()
         finally:

@@ -1,16 +1,19 @@
-"""A warm parent for contract children: it imports torch once, then forks one child per check.
+"""A warm parent for test children: it imports torch once, then forks one child per request.
 
-A contract check runs in its own interpreter so that the upstream files and stand-ins of one case never meet
-another's. Most of a check's time was that interpreter importing torch (and torch's compiler stack, which vLLM's
-config imports): the same files for every case, since every case runs this interpreter's torch. The zygote
-imports those once; each check is a ``fork`` of it that then runs ``python -m omni_patches.testing.child ...``
-as a fresh interpreter would (``runpy``, as ``__main__``). Nothing of omni-patches, vLLM or a case is imported
-before the fork, so each child still imports its own targets, in its own order, from its own paths.
+A contract check (or a test's scenario) runs in its own interpreter so that the upstream files and stand-ins of
+one case never meet another's. Most of such a child's time was that interpreter importing torch (and torch's
+compiler stack, which vLLM's config imports): the same files for every case, since every case runs this
+interpreter's torch. The zygote imports those once; each request is a ``fork`` of it that then runs as a fresh
+interpreter would: ``python -m omni_patches.testing.child ARGV`` (``runpy``, as ``__main__``) or ``python -c
+CODE ARGV``, with the request's environment and ``sys.path`` rebuilt from its ``PYTHONPATH`` the way the
+interpreter builds it at start. Nothing of vLLM or a case is imported before the fork, so each child still
+imports its own targets, in its own order, from its own paths.
 
-Protocol (one check at a time, JSON lines): the client writes ``{"argv": [...], "out": path, "err": path,
-"timeout": s, "env": {...}}``; the zygote forks, the child writes its stdout/stderr to the two files, and the
-zygote answers ``{"rc": exit status}`` (plus ``"timed_out": true`` when it killed a child that ran past
-``timeout``). End of input ends the zygote.
+Protocol (one request at a time, JSON lines): the client writes ``{"argv": [...], "out": path, "err": path,
+"timeout": s, "env": {...}, "cwd": dir}`` (plus ``"code"`` for ``-c``); the zygote forks, the child writes its stdout/stderr
+to the two files, and the zygote answers ``{"rc": exit status}`` (plus ``"timed_out": true`` when it killed a
+child that ran past ``timeout``). End of input ends the zygote. Start it with no ``PYTHONPATH``: the path it
+starts with is every child's base.
 """
 from __future__ import annotations
 
@@ -36,11 +39,33 @@ def _preload() -> None:
             pass
 
 
-def _child(argv: list, out: str, err: str, answers: int, env: dict | None) -> None:
-    """In the forked child: become ``python -m omni_patches.testing.child <argv>`` and never return."""
+#: The zygote's ``sys.path`` after the first entry (the script's or module's directory) when it started:
+#: what an interpreter started with no ``PYTHONPATH`` has; each child puts its own ``PYTHONPATH`` in front.
+_BASE: list = []
+
+
+def _child_path(env: dict, first: str) -> list:
+    """``sys.path`` of ``python`` started with ``env``: ``first``, then ``PYTHONPATH`` (absolute; an empty entry is
+    the working directory) and the base, each directory once (``site`` drops repeats)."""
+    extra = env.get("PYTHONPATH", "")
+    entries = [os.path.abspath(p) for p in extra.split(os.pathsep)] if extra else []
+    seen, out = set(), []
+    for p in entries + _BASE:
+        key = os.path.normcase(os.path.abspath(p))
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return [first, *out]
+
+
+def _child(request: dict, answers: int) -> None:
+    """In the forked child: become ``python -m omni_patches.testing.child ARGV`` (``python -c CODE ARGV`` when the
+    request has ``code``) and never return."""
     import atexit
+    import importlib
     import runpy
     import traceback
+    import types
 
     code = 1
     try:
@@ -48,14 +73,28 @@ def _child(argv: list, out: str, err: str, answers: int, env: dict | None) -> No
         signal.signal(signal.SIGINT, signal.default_int_handler)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        for fd, path in ((1, out), (2, err)):
+        for fd, path in ((1, request["out"]), (2, request["err"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-        if env is not None:  # the check's own environment (the zygote's, bar what Zygotes.VOLATILE names)
+        env = request.get("env")
+        if env is not None:  # the request's own environment
             os.environ.clear()
             os.environ.update(env)
-        sys.argv = ["-m", *map(str, argv)]
+        argv = [str(a) for a in request["argv"]]
+        program = request.get("code")
         try:
-            runpy.run_module("omni_patches.testing.child", run_name="__main__", alter_sys=True)
+            if request.get("cwd"):  # by name: the directory may have been made anew since the zygote started
+                os.chdir(request["cwd"])
+            sys.path[:] = _child_path(os.environ, "" if program is not None else os.getcwd())
+            importlib.invalidate_caches()
+            if program is None:
+                sys.argv = ["-m", *argv]
+                runpy.run_module("omni_patches.testing.child", run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = ["-c", *argv]
+                main = types.ModuleType("__main__")
+                main.__builtins__ = __builtins__
+                sys.modules["__main__"] = main
+                exec(compile(program, "<string>", "exec"), main.__dict__)
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -89,13 +128,14 @@ def _wait(pid: int, timeout: float) -> dict:
 
 
 def main() -> None:
+    _BASE[:] = sys.path[1:]
     _preload()
     answers = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(request["argv"], request["out"], request["err"], answers.fileno(), request.get("env"))
+            _child(request, answers.fileno())
         answers.write(json.dumps(_wait(pid, float(request["timeout"]))) + "\n")
         answers.flush()
 

@@ -29,11 +29,12 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 import types
 from pathlib import Path
+
+from omni_patches.testing.contract import run_code
 
 from . import wheels
 from .fakes import write_dist_info
@@ -245,8 +246,7 @@ def run(release: str, code: str, *, vllm: str | None = None, metadata_version: s
         timeout: int = 600, **extra) -> dict:
     """Run ``code`` against the release in a fresh interpreter; return the JSON of its last ``RESULT`` line."""
     env = child_env(paths(release, vllm=vllm, metadata_version=metadata_version), **extra)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=str(ROOT))
+    proc = run_code(textwrap.dedent(code), env=env, timeout=timeout, cwd=str(ROOT))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"vllm-ascend {release} child failed rc={proc.returncode}\n{proc.stdout[-4000:]}\n"

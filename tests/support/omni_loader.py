@@ -48,9 +48,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from omni_patches.testing.contract import run_code
 
 from .fakes import write_dist_info
 
@@ -239,8 +240,7 @@ def run_sandboxed(version: str, script: str, *, timeout: float = 120, check: boo
     ``env_kw`` goes to :func:`sandbox_env` (``local_device=``, ``fake_npu_broken=``, ``extra=``).
     With ``check`` a non-zero exit raises AssertionError carrying stdout/stderr.
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          env=sandbox_env(version, **env_kw), timeout=timeout, cwd=str(REPO_ROOT))
+    proc = run_code(textwrap.dedent(script), env=sandbox_env(version, **env_kw), timeout=timeout, cwd=str(REPO_ROOT))
     if check and proc.returncode != 0:
         raise AssertionError(f"sandboxed script failed (rc={proc.returncode})\n--- stdout\n{proc.stdout}"
                              f"\n--- stderr\n{proc.stderr}")

@@ -26,6 +26,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from omni_patches.testing.contract import run_code
+
 from support import wheels
 from support.ci import skip_or_fail
 from support.fakes import write_dist_info
@@ -149,5 +151,4 @@ def child_env(*paths, **extra) -> dict:
 
 def run_python(code: str, *paths, timeout: int = 300, **extra) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with ``paths`` first on sys.path (see :func:`child_env`)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=child_env(*paths, **extra), timeout=timeout, cwd=str(ROOT))
+    return run_code(textwrap.dedent(code), env=child_env(*paths, **extra), timeout=timeout, cwd=str(ROOT))

