@@ -43,6 +43,8 @@ PER_REQUEST_LORA_SCALE = 1.0
 PROMPT_EXIT_S = 25
 # What vllm-omni's engine logs when its orchestrator thread does not finish shutting down (async_omni_engine.py).
 ORCHESTRATOR_TIMEOUT = "Orchestrator did not stop within"
+# What vllm-omni logs once a replica is shut down (stage_pool.py): before the stop, the dead one was evicted.
+EVICTED = r"\[StagePool\] Stage \d+ replica \d+ shut down"
 # How long stock gets to exit after its stage subprocess was killed (it is the negative control).
 STOCK_STOP_BOUND_S = 90
 # Factor over the model's measured rounding sensitivity for the fused-vs-stock bound (see fused_bound).
@@ -139,6 +141,7 @@ class StackRun:
                 if "error" in out[key]:
                     continue
                 out[key]["alive_before_stop"] = server.proc.poll() is None
+                out[key]["log_before_stop"] = server.log_text()
                 futures[key] = pool.submit(server.stop, grace=STOCK_STOP_BOUND_S)
             for key, fut in futures.items():
                 out[key].update(fut.result())
@@ -370,7 +373,13 @@ def test_stage_shutdown_after_a_stage_subprocess_died(run):
     assert shim["alive_before_stop"] and stock["alive_before_stop"]
     assert shim["exited_within_grace"] and shim["seconds"] <= PROMPT_EXIT_S, shim
     assert ORCHESTRATOR_TIMEOUT not in shim["log"], shim["log_tail"]
-    if run.omni in PATCHES_AFFECTED_SHUTDOWN:
+    if run.omni in PATCHES_AFFECTED_SHUTDOWN and re.search(EVICTED, stock["log_before_stop"]):
+        # Stock's orchestrator polled the dead replica before the stop and finished evicting it (its send to the
+        # dead subprocess happened not to block): its shutdown no longer sends to it, so #7810 cannot show in this
+        # run (upstream's race; most runs block). Stock then exits promptly, as the shim does.
+        print(f"{run.omni}: stock evicted the dead replica before the stop; the negative control did not run")
+        assert ORCHESTRATOR_TIMEOUT not in stock["log"] and stock["exited_within_grace"], stock["log_tail"]
+    elif run.omni in PATCHES_AFFECTED_SHUTDOWN:
         # The negative control (#7810): stock's orchestrator blocks in the dead subprocess's send; the engine gives
         # up on it after its 30 s join timeout and the process exits with that thread still stuck.
         assert ORCHESTRATOR_TIMEOUT in stock["log"], stock["log_tail"]
