@@ -134,10 +134,14 @@ class Cluster:
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR');"
                 "print(json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'],"
                 " 'npu': n['Resources'].get('NPU')} for n in ray.nodes()]))" % self.address)
+        return self._last_json(code, "listing nodes")
+
+    def _last_json(self, code, what):
+        """The JSON on the last line ``code`` prints, run by the stack's interpreter on the head node's env."""
         out = subprocess.run([self.python, "-c", code], env=self.base_env(HEAD_IP), capture_output=True, text=True,
                              timeout=120)
         if out.returncode:
-            raise RuntimeError(f"listing nodes failed: {out.stderr[-3000:]}")
+            raise RuntimeError(f"{what} failed: {out.stderr[-3000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def driver(self, name, **env):
@@ -171,11 +175,7 @@ class Cluster:
         code = ("import json; from ray._raylet import GcsClient; from omni_patches.proof import KV_NAMESPACE;"
                 "g = GcsClient(address=%r); keys = g.internal_kv_keys(b'', namespace=KV_NAMESPACE.encode(), timeout=30);"
                 "print(json.dumps(sorted(k.decode() for k in keys)))" % self.address)
-        out = subprocess.run([self.python, "-c", code], env=self.base_env(HEAD_IP), capture_output=True, text=True,
-                             timeout=120)
-        if out.returncode:
-            raise RuntimeError(f"listing the KV store failed: {out.stderr[-3000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return self._last_json(code, "listing the KV store")
 
     def status(self, *args):
         cmd = [self.python, "-m", "omni_patches", "status", "--all-processes", "--ray", self.address, "--json", *args]
