@@ -91,8 +91,9 @@ def test_check_uses_the_zygote_unless_switched_off(tmp_path, monkeypatch, mocker
 
 
 PROGRAM = """import json, os, sys
-print("STATE " + json.dumps({"path": sys.path, "argv": sys.argv, "name": __name__, "env": os.environ.get("OMNI_TEST_MARK"),
-                              "main": sys.modules["__main__"].__dict__ is globals(), "loaded": "torch" in sys.modules}))
+print("STATE " + json.dumps({"path": sys.path, "argv": sys.argv, "name": __name__,
+                              "env": os.environ.get("OMNI_TEST_MARK"), "loaded": "torch" in sys.modules,
+                              "main": sys.modules["__main__"].__dict__ is globals()}))
 if len(sys.argv) > 2:
     raise ValueError(sys.argv[2])
 """

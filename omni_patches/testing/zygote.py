@@ -10,9 +10,9 @@ interpreter builds it at start. Nothing of vLLM or a case is imported before the
 imports its own targets, in its own order, from its own paths.
 
 Protocol (one request at a time, JSON lines): the client writes ``{"argv": [...], "out": path, "err": path,
-"timeout": s, "env": {...}, "cwd": dir}`` (plus ``"code"`` for ``-c``); the zygote forks, the child writes its stdout/stderr
-to the two files, and the zygote answers ``{"rc": exit status}`` (plus ``"timed_out": true`` when it killed a
-child that ran past ``timeout``). End of input ends the zygote. Start it with no ``PYTHONPATH``: the path it
+"timeout": s, "env": {...}, "cwd": dir}`` (plus ``"code"`` for ``-c``); the zygote forks, the child writes its
+stdout/stderr to the two files, and the zygote answers ``{"rc": exit status}`` (plus ``"timed_out": true`` when
+it killed a child that ran past ``timeout``). End of input ends the zygote. Start it with no ``PYTHONPATH``: the path it
 starts with is every child's base.
 """
 from __future__ import annotations

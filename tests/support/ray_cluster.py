@@ -173,7 +173,8 @@ class Cluster:
     def kv_keys(self):
         """The keys of omni-patches' namespace in the cluster's KV store, read with Ray's GCS client directly."""
         code = ("import json; from ray._raylet import GcsClient; from omni_patches.proof import KV_NAMESPACE;"
-                "g = GcsClient(address=%r); keys = g.internal_kv_keys(b'', namespace=KV_NAMESPACE.encode(), timeout=30);"
+                "g = GcsClient(address=%r);"
+                "keys = g.internal_kv_keys(b'', namespace=KV_NAMESPACE.encode(), timeout=30);"
                 "print(json.dumps(sorted(k.decode() for k in keys)))" % self.address)
         return self._last_json(code, "listing the KV store")
 
