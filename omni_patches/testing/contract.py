@@ -12,9 +12,9 @@ A patch's test author describes *where* its target lives, in a module defining `
 
 and :func:`check` runs each part in an interpreter of its own (real upstream files and their stubs never leak
 between cases; see :mod:`omni_patches.testing.zygote`): it applies on every affected version (target
-imported before activation, and lazily after it), applies once (a second activation and a re-fired import hook change nothing), unapplies to
-the identical original objects, skips outside its versions with the expected reason, and reports drift
--- never applying anything -- when its target changed shape.
+imported before activation, and lazily after it), applies once (a second activation and a re-fired import
+hook change nothing), unapplies to the identical original objects, skips outside its versions with the expected
+reason, and reports drift -- never applying anything -- when its target changed shape.
 
 **Patches never break the call they wrap.** A wrapper that meets an input it was not built for runs the
 original code and says so once (``ctx.fallback("why")`` / ``ctx.stock("why", wrapped, args, kwargs)``, see
@@ -173,12 +173,8 @@ def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")])
     argv = [case_ref, kind, str(index)]
-    ran = zygotes.run(argv, env, cwd, timeout) if zygotes.wanted(env) else None
-    if ran is None:  # a fresh interpreter of its own
-        proc = subprocess.run([sys.executable, "-m", "omni_patches.testing.child", *argv],
-                              capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
-        ran = proc.returncode, proc.stdout, proc.stderr
-    rc, stdout, stderr = ran
+    proc = _run_child(argv, env, cwd, timeout)
+    rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     lines = [ln for ln in stdout.splitlines() if ln.startswith("CONTRACT ")]
     if rc != 0 or not lines:
         raise AssertionError(f"contract child failed (rc={rc})\n--- stdout\n{stdout[-6000:]}"
@@ -191,12 +187,17 @@ def run_code(code: str, *args, env=None, cwd=None, timeout: float = 600) -> subp
     capture_output=True, text=True)`` returns it; forked from a zygote (:class:`Zygotes`) unless ``env`` turns the
     shim on at start (its ``.pth`` acts before any code runs: only a fresh interpreter shows that) or the zygote
     is switched off. Raises ``subprocess.TimeoutExpired`` past ``timeout``."""
-    env = dict(os.environ if env is None else env)
-    argv = [sys.executable, "-c", code, *map(str, args)]
-    ran = zygotes.run(list(map(str, args)), env, cwd, timeout, code=code) if zygotes.wanted(env) else None
+    return _run_child([str(a) for a in args], dict(os.environ if env is None else env), cwd, timeout, code=code)
+
+
+def _run_child(argv, env, cwd, timeout, code=None) -> subprocess.CompletedProcess:
+    """``python -m omni_patches.testing.child ARGV`` (``python -c CODE ARGV`` given ``code``): a fork of a zygote
+    where one can run it, else a fresh interpreter of its own."""
+    cmd = [sys.executable, *(["-c", code] if code is not None else ["-m", "omni_patches.testing.child"]), *argv]
+    ran = zygotes.run(argv, env, cwd, timeout, code=code) if zygotes.wanted(env) else None
     if ran is None:
-        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-    return subprocess.CompletedProcess(argv, *ran)
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    return subprocess.CompletedProcess(cmd, *ran)
 
 
 #: ``0`` runs every check in an interpreter started for it alone (slower; the zygote is the default).
