@@ -373,17 +373,17 @@ def test_stage_shutdown_after_a_stage_subprocess_died(run):
     assert shim["alive_before_stop"] and stock["alive_before_stop"]
     assert shim["exited_within_grace"] and shim["seconds"] <= PROMPT_EXIT_S, shim
     assert ORCHESTRATOR_TIMEOUT not in shim["log"], shim["log_tail"]
-    if run.omni in PATCHES_AFFECTED_SHUTDOWN and re.search(EVICTED, stock["log_before_stop"]):
-        # Stock's orchestrator polled the dead replica before the stop and finished evicting it (its send to the
-        # dead subprocess happened not to block): its shutdown no longer sends to it, so #7810 cannot show in this
-        # run (upstream's race; most runs block). Stock then exits promptly, as the shim does.
-        print(f"{run.omni}: stock evicted the dead replica before the stop; the negative control did not run")
-        assert ORCHESTRATOR_TIMEOUT not in stock["log"] and stock["exited_within_grace"], stock["log_tail"]
-    elif run.omni in PATCHES_AFFECTED_SHUTDOWN:
+    if run.omni in PATCHES_AFFECTED_SHUTDOWN and ORCHESTRATOR_TIMEOUT in stock["log"]:
         # The negative control (#7810): stock's orchestrator blocks in the dead subprocess's send; the engine gives
         # up on it after its 30 s join timeout and the process exits with that thread still stuck.
-        assert ORCHESTRATOR_TIMEOUT in stock["log"], stock["log_tail"]
         assert stock["seconds"] >= 30, stock
+    elif run.omni in PATCHES_AFFECTED_SHUTDOWN:
+        # Stock did not block. Only acceptable where its orchestrator polled the dead replica before the stop and
+        # evicted it (its send to the dead subprocess happened not to block; upstream's race, most runs block --
+        # and some block even after the eviction): #7810 could not show in this run.
+        assert re.search(EVICTED, stock["log_before_stop"]), stock["log_tail"]
+        print(f"{run.omni}: stock evicted the dead replica before the stop; the negative control did not run")
+        assert stock["exited_within_grace"], stock["log_tail"]
     else:
         # Fixed upstream (0.31.0rc1): stock exits promptly too.
         assert ORCHESTRATOR_TIMEOUT not in stock["log"], stock["log_tail"]
