@@ -45,10 +45,12 @@ STATE_GUARD = StateGuard(DEFAULT_STATE_DIR, SESSION_STATE_DIR).start()
 # Bytecode of every interpreter the suite starts (contract children, worlds, stack servers) goes to one directory
 # under the cache root and is reused: with PYTHONDONTWRITEBYTECODE (set on some machines) each child compiled vLLM,
 # transformers and torch's Python again, about half of a contract case's CPU time. Stale entries: wheels.clean_once.
-from support.wheels import PYCACHE  # noqa: E402
+from support.wheels import PYCACHE, clean_once  # noqa: E402
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+if not XDIST_WORKER:
+    clean_once()  # here, before the workers start: they and every process of the session inherit that it is done
 
 # Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
 # to unless told otherwise, and rendezvous goes to MASTER_ADDR.
