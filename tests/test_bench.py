@@ -23,3 +23,35 @@ def test_bench_run_quick_prints_the_summary_table():
     # one over-floor row per call path (no context / LoRA batch / idle adapter); the capped-CPU LoRA row only
     # where this CPU has native bf16 to cap
     assert sum("over a do-nothing forwarder" in m for m in measures) == 3, summary
+
+
+BURN = '''
+import subprocess, sys
+
+def test_burns_in_a_child():
+    # 2 s of CPU in a process of its own: charged to this test by the profiler
+    code = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 2.0: pass"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+def test_idle():
+    pass
+'''
+
+
+def test_suite_cpu_charges_a_childs_cpu_to_its_test_file(tmp_path):
+    """bench/suite_cpu.py: a test whose child burns 2 s of CPU is charged that (less the last half-second sample
+    at most), to its own test id; the idle test nothing."""
+    (tmp_path / "test_burn.py").write_text(BURN)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "suite_cpu.py"), "--json", str(tmp_path / "c.json"),
+                           "--", "-q", "-p", "no:cacheprovider", "test_burn.py"], capture_output=True, text=True,
+                          timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = [ln.split("|")[3].strip() for ln in proc.stdout.splitlines() if ln.startswith("| ") and ln.endswith(" |")]
+    assert "test_burn.py" in files, proc.stdout
+    import json
+
+    records = json.loads((tmp_path / "c.json").read_text())
+    burn = [r for r in records if r["test"] == "test_burn.py::test_burns_in_a_child"]
+    assert len(burn) == 1 and burn[0]["kind"] == "python", records
+    assert 1.4 <= burn[0]["cpu_s"] <= 3.0, burn
+    assert not [r for r in records if r["test"].endswith("::test_idle")], records  # it started nothing
