@@ -24,22 +24,26 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.state_guard import descendants  # noqa: E402 - the suite's own walk of /proc (its state guard)
 
 HZ = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: str):
-    """(ppid, start ticks, CPU seconds) of ``pid``, or None."""
+def _stat(pid: int):
+    """(start ticks, CPU seconds) of ``pid``, or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read()
     except OSError:
         return None
     fields = raw[raw.rindex(b")") + 2:].split()
-    return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / HZ
+    return int(fields[19]), (int(fields[11]) + int(fields[12])) / HZ
 
 
-def _started_as(pid: str) -> tuple[str, str]:
+def _started_as(pid: int) -> tuple[str, str]:
     """(the test in the environment the process started with, its command line)."""
     test = ""
     try:
@@ -68,23 +72,14 @@ def _kind(cmd: str) -> str:
 
 def sample(root: int, seen: dict) -> None:
     """Update ``seen`` {(pid, start): [test, kind, cpu]} with ``root`` and every live descendant of it."""
-    stats = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            got = _stat(name)
-            if got is not None:
-                stats[int(name)] = got
-    children = collections.defaultdict(list)
-    for pid, (ppid, _, _) in stats.items():
-        children[ppid].append(pid)
-    todo = [root] if root in stats else []
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, ()))
-        _, start, cpu = stats[pid]
+    for pid in [root, *descendants(root)]:
+        got = _stat(pid)
+        if got is None:
+            continue
+        start, cpu = got
         entry = seen.get((pid, start))
         if entry is None:
-            test, cmd = _started_as(str(pid))
+            test, cmd = _started_as(pid)
             seen[(pid, start)] = [test, _kind(cmd), cpu]
         else:
             entry[2] = cpu
