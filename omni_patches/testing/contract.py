@@ -49,7 +49,6 @@ from typing import Callable
 from omni_patches.tools import atomic
 
 
-
 def cache_dir() -> Path:
     """Where :meth:`Env.edited` keeps its edited copies: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``."""
     return Path(os.environ.get("OMNI_TEST_CACHE") or Path.home() / ".cache" / "omni-patches-tests")

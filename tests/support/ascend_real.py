@@ -16,7 +16,7 @@ Layout on disk (cached under ``support.wheels.CACHE``): :func:`sandbox` is a dir
 release's ``vllm_ascend`` sources (so a contract case can edit one file), a ``vllm_ascend-<ver>.dist-info``
 (the engine's gate reads it), and ``vllm_ascend/__init__.py`` replaced by a bootstrap that installs the stubs
 and then executes the release's real ``__init__.py`` from the unpacked release. :func:`paths` adds vLLM and the
-deps; :func:`run` runs code in a fresh interpreter on them (tests/ and the repository root first on ``sys.path``).
+deps; :func:`run` runs code in an interpreter of its own on them (tests/ and the repository root first on ``sys.path``).
 
     out = run("0.30.0rc2", "import vllm_ascend.ops.fused_moe.routed_experts as m; print('RESULT 1')")
 
@@ -34,7 +34,7 @@ import textwrap
 import types
 from pathlib import Path
 
-from omni_patches.testing.contract import run_code
+from omni_patches.testing import run_code
 
 from . import wheels
 from .fakes import write_dist_info
@@ -244,7 +244,8 @@ def child_env(extra_paths, **extra) -> dict:
 
 def run(release: str, code: str, *, vllm: str | None = None, metadata_version: str | None = None,
         timeout: int = 600, **extra) -> dict:
-    """Run ``code`` against the release in a fresh interpreter; return the JSON of its last ``RESULT`` line."""
+    """Run ``code`` against the release in an interpreter of its own (``testing.run_code``); return the JSON of
+    its last ``RESULT`` line."""
     env = child_env(paths(release, vllm=vllm, metadata_version=metadata_version), **extra)
     proc = run_code(textwrap.dedent(code), env=env, timeout=timeout, cwd=str(ROOT))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -51,7 +51,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing.contract import run_code
+from omni_patches.testing import run_code
 
 from .fakes import write_dist_info
 
@@ -235,7 +235,7 @@ def sandbox_env(version: str, *, local_device: str | None = None, fake_npu_broke
 
 def run_sandboxed(version: str, script: str, *, timeout: float = 120, check: bool = True,
                   **env_kw) -> subprocess.CompletedProcess:
-    """Run ``script`` (Python source, dedented) in a fresh interpreter inside the sandbox.
+    """Run ``script`` (Python source, dedented) in an interpreter of its own (``testing.run_code``) inside the sandbox.
 
     ``env_kw`` goes to :func:`sandbox_env` (``local_device=``, ``fake_npu_broken=``, ``extra=``).
     With ``check`` a non-zero exit raises AssertionError carrying stdout/stderr.

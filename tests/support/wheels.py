@@ -218,9 +218,8 @@ def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | 
 
 
 #: Set (to the cleaning process's pid) once a process has run :func:`clean_once`; the processes it starts inherit
-#: it and skip the walk (a contract child or scenario would otherwise repeat it: ~1.4 s each on 2 cores).
+#: it and skip the walk (a contract child or scenario would otherwise repeat it: ~1 s each on 2 cores).
 CLEANED_ENV = "OMNI_TEST_CACHE_CLEANED"
-_cleaned = bool(os.environ.get(CLEANED_ENV))
 
 
 def _free(lock_name: str) -> bool:
@@ -254,10 +253,8 @@ def clean_once() -> None:
       there, a stack's superseded packages), then ``uv cache prune`` -- while holding uv's own cache lock, so no
       uv process is using the cache meanwhile (skipped when one is);
     - ``edited/*``: whole copies an earlier :meth:`omni_patches.testing.Env.edited` made (it hard-links now)."""
-    global _cleaned
-    if _cleaned:
+    if os.environ.get(CLEANED_ENV):
         return
-    _cleaned = True
     os.environ[CLEANED_ENV] = str(os.getpid())
     if not CACHE.is_dir():
         return

@@ -26,7 +26,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing.contract import run_code
+from omni_patches.testing import run_code
 
 from support import wheels
 from support.ci import skip_or_fail
@@ -150,5 +150,6 @@ def child_env(*paths, **extra) -> dict:
 
 
 def run_python(code: str, *paths, timeout: int = 300, **extra) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with ``paths`` first on sys.path (see :func:`child_env`)."""
+    """Run ``code`` in an interpreter of its own (``testing.run_code``) with ``paths`` first on sys.path (see
+    :func:`child_env`)."""
     return run_code(textwrap.dedent(code), env=child_env(*paths, **extra), timeout=timeout, cwd=str(ROOT))

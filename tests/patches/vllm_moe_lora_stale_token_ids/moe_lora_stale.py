@@ -19,7 +19,7 @@ import os
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing.contract import run_code
+from omni_patches.testing import run_code
 
 from support import wheels
 from support.fakes import write_dist_info
@@ -87,7 +87,7 @@ def child_env(version: str, **kw) -> dict:
 
 
 def run_python(code: str, version: str, *, timeout: int = 600, env: dict | None = None, **kw):
-    """Run ``code`` in a fresh interpreter that imports vLLM ``version``."""
+    """Run ``code`` in an interpreter of its own (``testing.run_code``) that imports vLLM ``version``."""
     full = {**child_env(version, **kw), **(env or {})}
     return run_code(textwrap.dedent(code), env=full, timeout=timeout, cwd=str(ROOT))
 
