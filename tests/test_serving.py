@@ -12,7 +12,8 @@ together, each phase serving several cases, and the tests assert on what the pha
 * ``replicated`` -- stock and shim (default patches), the diffusion stage in its own processes (two replicas:
   ``--stage-overrides {"0": {"num_replicas": 2}}``; with one replica vllm-omni runs a single-stage pipeline inline
   in the API server): an image without LoRA and one with a per-request LoRA (``DiffusionLoRAManager``), ``status
-  --all-processes`` / ``doctor``, then a stage subprocess is SIGKILLed and the server stopped;
+  --all-processes`` / ``doctor``, then a stage subprocess is SIGKILLed and the servers stopped (stock's stop,
+  which blocks ~30 s where #7810 is unfixed, runs on while the next phase starts: it is mostly waiting);
 * ``distill`` -- stock and shim (default patches), a bf16 LoRA fused at start-up (``--lora-backend distill
   --lora-path X``: vllm-omni's ``LoraLoaderMixin``, the loader the LoRA patches wrap);
 * ``fused`` -- the shim with ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the distill LoRA in bf16 and in fp32.
@@ -59,6 +60,16 @@ class StackRun:
         self.model = serving.tiny_model(omni)
         self.results, self.errors, self.timings = {}, {}, {}
         self.servers = []
+        self.stopping = {}  # server name -> Future of a stop still running while later phases go on
+
+    def settled(self):
+        """Wait for every stop still running (stock's negative control), then re-dump the phases it fed."""
+        for name, fut in list(self.stopping.items()):
+            fut.result()
+            del self.stopping[name]
+        for name in self.results:
+            self._dump(name)
+        return self
 
     def phase(self, name):
         if name not in self.results and name not in self.errors:
@@ -119,12 +130,15 @@ class StackRun:
                                                           "shim": (shim, out["shim_stage_pids"])})
         finally:
             for s in (stock, shim):
-                s.stop(grace=5)
+                if s.name not in self.stopping:
+                    s.stop(grace=5)
         return out
 
     def _kill_stage_then_stop(self, servers):
         """SIGKILL one diffusion stage subprocess of each running server, then stop the servers together (SIGTERM,
-        ``STOCK_STOP_BOUND_S`` each, in parallel threads: stock may block for all of it)."""
+        ``STOCK_STOP_BOUND_S`` each, in threads of their own). The shim's stop is waited for here; stock's, which
+        may block for all of its bound (the negative control, mostly waiting), goes on while the next phase starts
+        its servers: its result is in ``out`` once :meth:`settled` returns."""
         import concurrent.futures
 
         out = {}
@@ -135,18 +149,23 @@ class StackRun:
             os.kill(stage_pids[0], signal.SIGKILL)
             out[key] = {"victim": stage_pids[0]}
         time.sleep(3)  # let the API servers notice
-        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
-            futures = {}
-            for key, (server, _) in servers.items():
-                if "error" in out[key]:
-                    continue
-                out[key]["alive_before_stop"] = server.proc.poll() is None
-                out[key]["log_before_stop"] = server.log_text()
-                futures[key] = pool.submit(server.stop, grace=STOCK_STOP_BOUND_S)
-            for key, fut in futures.items():
-                out[key].update(fut.result())
-                out[key]["log_tail"] = servers[key][0].log_tail(40)
-                out[key]["log"] = servers[key][0].log_text()
+
+        def stop(key, server):
+            out[key].update(server.stop(grace=STOCK_STOP_BOUND_S))
+            out[key]["log_tail"] = server.log_tail(40)
+            out[key]["log"] = server.log_text()
+
+        pool = concurrent.futures.ThreadPoolExecutor(len(servers))
+        for key, (server, _) in servers.items():
+            if "error" in out[key]:
+                continue
+            out[key]["alive_before_stop"] = server.proc.poll() is None
+            out[key]["log_before_stop"] = server.log_text()
+            self.stopping[server.name] = pool.submit(stop, key, server)
+        pool.shutdown(wait=False)
+        shim = servers["shim"][0]
+        if shim.name in self.stopping:
+            self.stopping.pop(shim.name).result()
         return out
 
     def _distill(self):
@@ -195,7 +214,10 @@ def run(request):
         if old == workdir or not pid.isdigit() or not fleet.alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     r = StackRun(omni, workdir)
-    yield r
+    try:
+        yield r
+    finally:
+        r.settled()
     print(f"\nserving tier, vllm-omni {omni}: {time.monotonic() - started:.0f}s "
           f"(phases {r.timings}; healthy after {[r.results.get(p, {}).get('healthy_s') for p in r.results]})")
 
@@ -364,7 +386,7 @@ def test_doctor_in_the_serving_environment(run):
 
 # -- omni-stage-shutdown-nonblocking: a dead stage subprocess, then stop ---------------------------------------
 def test_stage_shutdown_after_a_stage_subprocess_died(run):
-    sd = run.phase("replicated")["shutdown"]
+    sd = run.settled().phase("replicated")["shutdown"]
     shim, stock = sd["shim"], sd["stock"]
     print(f"\n{run.omni} stop after a stage subprocess was killed: shim {shim.get('seconds')}s "
           f"(within grace: {shim.get('exited_within_grace')}), stock {stock.get('seconds')}s "
@@ -394,6 +416,7 @@ def test_stage_shutdown_after_a_stage_subprocess_died(run):
 def test_every_server_stopped_and_left_nothing_behind(run):
     for phase in ("replicated", "distill", "fused"):
         run.phase(phase)
+    run.settled()
     assert len(run.servers) == 6
     for s in run.servers:
         stopped = getattr(s, "stopped", None)

@@ -66,6 +66,7 @@ def scenario(module, peer_alive: bool, wait_s: float) -> dict:
     if not peer_alive:
         os.kill(peer.pid, signal.SIGKILL)
         peer.join()
+        out["peer_exitcode_before"] = peer.exitcode  # -9 once reaped (diagnostic: shutdown() reads is_alive())
         if binds:  # libzmq drops the pipe when the IPC connection closes: the socket then has no peer
             out["peer_dropped"] = wait_for(lambda: not sock.poll(0, zmq.POLLOUT), 10)
         out["engine_dead_seen"] = wait_for(lambda: client._engine_dead, 10)  # the client's own monitor thread

@@ -80,8 +80,10 @@ def test_fixed_release_skips_and_behaves_like_the_patch(runs, version):
     assert res["stock_live"]["peer_received"] == [{"type": "shutdown"}]
     # ... with exactly what the patched old releases show.
     for old in ("0.28.0", "0.30.0"):
-        assert _outcome(res["stock_dead"]) == _outcome(runs[old]["patched_dead"])
-        assert _outcome(res["stock_live"]) == _outcome(runs[old]["patched_live"])
+        assert _outcome(res["stock_dead"]) == _outcome(runs[old]["patched_dead"]), (res["stock_dead"],
+                                                                                    runs[old]["patched_dead"])
+        assert _outcome(res["stock_live"]) == _outcome(runs[old]["patched_live"]), (res["stock_live"],
+                                                                                    runs[old]["patched_live"])
 
 
 @pytest.mark.parametrize("version", CONNECTS)
