@@ -340,10 +340,12 @@ def test_pythonpath_install_says_pth_files_are_not_read_there(venv, tmp_path):
     import subprocess
     import sys
 
-    from support.venvs import ROOT, clean_env, pip
+    from support.venvs import clean_env, install_source, pip
 
     target = tmp_path / "target"
-    pip(venv["python"], ["install", "-q", "--disable-pip-version-check", "--target", str(target), str(ROOT)], target)
+    with install_source() as src:
+        pip(venv["python"], ["install", "-q", "--disable-pip-version-check", "--target", str(target), str(src)],
+            target)
     assert (target / "omni_patches.pth").is_file()
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)

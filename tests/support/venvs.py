@@ -1,9 +1,12 @@
 """Fresh virtual environments with omni-patches installed for real (non-editable or editable)."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,10 +40,15 @@ def make_venv(path: Path, *, editable: bool = False, project: Path = ROOT, no_de
     """
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     python = path / "bin" / "python"
-    cmd = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    cmd += ["--no-deps"] if no_deps else []
-    cmd += ["-e", str(project)] if editable else [str(project)]
-    pip(python, cmd[3:], path)
+    args = ["install", "-q", "--disable-pip-version-check", *(["--no-deps"] if no_deps else [])]
+    if editable:  # it must point at the tree itself: one build at a time writes its egg-info and build/ there
+        from .wheels import locked
+
+        with locked(f"project-build-{hashlib.sha256(str(project).encode()).hexdigest()[:12]}"):
+            pip(python, [*args, "-e", str(project)], path)
+    else:
+        with install_source(project) as src:
+            pip(python, [*args, str(src)], path)
     if also:
         pip(python, ["install", "-q", "--disable-pip-version-check", *also], path)
     return python
@@ -52,16 +60,26 @@ def pip(python: Path, args, where) -> None:
         raise RuntimeError(f"pip {' '.join(map(str, args))} for {where} failed:\n{proc.stdout}\n{proc.stderr}")
 
 
-def project_copy(dest: Path) -> Path:
-    """The files ``pip install`` needs from this checkout, copied to ``dest`` (an install that can be moved)."""
+def project_copy(dest: Path, project: Path = ROOT) -> Path:
+    """The files ``pip install`` needs from ``project`` (this checkout), copied to ``dest`` (an install that can be
+    moved)."""
     import shutil
 
     dest.mkdir(parents=True)
     for name in ("setup.py", "setup.cfg", "pyproject.toml", "patches.toml", "README.md"):
-        shutil.copy2(ROOT / name, dest / name)
-    shutil.copytree(ROOT / "omni_patches", dest / "omni_patches",
+        shutil.copy2(project / name, dest / name)
+    shutil.copytree(project / "omni_patches", dest / "omni_patches",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "patches.toml"))
     return dest
+
+
+@contextlib.contextmanager
+def install_source(project: Path = ROOT):
+    """What a non-editable ``pip install`` of ``project`` reads: a fresh copy of its files. pip builds in the source
+    tree (setuptools' ``build/``, the egg-info): two xdist workers installing the checkout at once tore each
+    other's wheel apart (an install without its ``.pth``), and ``build/lib`` keeps modules deleted from the source."""
+    with tempfile.TemporaryDirectory(prefix="omni-patches-src-") as tmp:
+        yield project_copy(Path(tmp) / "src", project)
 
 
 def site_packages(python: Path) -> Path:
