@@ -64,10 +64,11 @@ class StackRun:
 
     def settled(self):
         """Wait for every stop still running (stock's negative control), then re-dump the phases it fed."""
-        for name, fut in list(self.stopping.items()):
+        pending = list(self.stopping.items())
+        for name, fut in pending:
             fut.result()
             del self.stopping[name]
-        for name in self.results:
+        for name in self.results if pending else ():
             self._dump(name)
         return self
 
