@@ -36,7 +36,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -326,16 +325,12 @@ def _runtime_requirements(project_root: Path) -> list[str]:
 
 
 def install_project(python: Path, project_root: Path) -> None:
-    """Install the project (non-editable, no deps, forced) into the venv of ``python``.
+    """Install the project (non-editable, no deps, forced) into the venv of ``python``, built from a clean copy of
+    the tree (``venvs.install_source``: an in-tree build reuses ``build/lib`` and races other workers)."""
+    from .venvs import install_source
 
-    Built from a clean copy of the tree: an in-tree setuptools build reuses ``build/lib``, which
-    keeps modules deleted from the source and would ship them.
-    """
     project_root = Path(project_root).resolve()
-    with tempfile.TemporaryDirectory(prefix="omni-patches-src-") as tmp:
-        src = Path(tmp) / "src"
-        shutil.copytree(project_root, src, ignore=shutil.ignore_patterns(
-            ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".benchmarks", ".venv*"))
+    with install_source(project_root) as src:
         env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
         env.pop("PYTHONPATH", None)
         # The runtime requirements (wrapt is not in the vLLM stack) without touching anything already there,
