@@ -1,5 +1,6 @@
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -88,16 +89,38 @@ HEAVY = ("test_serving.py", "test_ray_cluster.py", "test_moe_ep.py", "test_moe_e
          "test_executor_failure.py")
 
 
+def shared_work_group(item):
+    """The xdist group of a test that shares work with other tests of its module: its module-scoped fixtures
+    (and ``parametrize(..., scope="module")`` arguments, which key a module's own cache of results), one group per
+    module and parameter set, so that the work is done once, on one worker -- under ``loadgroup`` an ungrouped
+    test goes to any worker, and each worker that gets one sets the module's fixtures up again."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    shared = sorted(name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope == "module")
+    if not shared:
+        return None
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    key = ",".join(f"{name}={params[name]}" for name in shared if name in params)
+    # xdist puts the group after "@" in the node id and splits it off after the last "]": neither in the name.
+    return re.sub(r"[^\w.=,:+-]", "_", f"{item.module.__name__}:{key}")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks into the node ids
 def pytest_collection_modifyitems(session, config, items):
     """The state-isolation check runs last, after every test that could have leaked a record; heavy files share
-    one xdist group and come first (the longest unit starts at once, the other worker takes everything else)."""
+    one xdist group and come first (the longest unit starts at once, the other worker takes everything else);
+    tests sharing a module's work are grouped (``shared_work_group``)."""
     last = [i for i in items if i.nodeid.startswith("tests/test_state_isolation.py") or
             i.nodeid.startswith("test_state_isolation.py")]
     heavy = [i for i in items if i.path.name in HEAVY and i not in last]
     for item in heavy:
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group("heavy"))
+    for item in items:
+        group = None if item.get_closest_marker("xdist_group") else shared_work_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     placed = {id(i) for i in heavy + last}
     items[:] = heavy + [i for i in items if id(i) not in placed] + last
 

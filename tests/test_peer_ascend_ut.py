@@ -27,7 +27,7 @@ def _runs(release):
     return _RUNS[release]
 
 
-@pytest.mark.parametrize("release", sorted(ascend_peer.RELEASES))
+@pytest.mark.parametrize("release", sorted(ascend_peer.RELEASES), scope="module")  # _runs: once per release
 def test_upstream_unit_tests_same_outcome_with_the_patch(release):
     runs = _runs(release)
     stock, shimmed = runs[False], runs[True]
@@ -41,7 +41,7 @@ def test_upstream_unit_tests_same_outcome_with_the_patch(release):
         assert EXPECTED_SKIPS.get(release, "\0") in name, (name, stock["skips"][name])
 
 
-@pytest.mark.parametrize("release", sorted(ascend_peer.RELEASES))
+@pytest.mark.parametrize("release", sorted(ascend_peer.RELEASES), scope="module")  # _runs: once per release
 def test_the_patch_was_applied_and_exercised(release):
     runs = _runs(release)
     assert runs[False]["status"]["state"] == "inactive", runs[False]["status"]

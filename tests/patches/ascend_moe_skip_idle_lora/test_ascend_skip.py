@@ -59,7 +59,7 @@ def _expect_hidden(kind, step):
     return no_adapter_tokens and fresh
 
 
-@pytest.mark.parametrize("release", sorted(LAYOUTS))
+@pytest.mark.parametrize("release", sorted(LAYOUTS), scope="module")  # _result: once per release
 def test_wrap_point_applied_with_the_exact_signature(release):
     layout, _ = LAYOUTS[release]
     out = _result(release)
@@ -69,7 +69,7 @@ def test_wrap_point_applied_with_the_exact_signature(release):
     assert out["probe_point"], "the real method no longer starts with get_forward_context(): update the probe"
 
 
-@pytest.mark.parametrize("release", sorted(LAYOUTS))
+@pytest.mark.parametrize("release", sorted(LAYOUTS), scope="module")  # _result: once per release
 def test_punica_wrapper_kinds(release):
     out = _result(release)
     assert out["kinds"][NPU] == LAYOUTS[release][1]
@@ -78,7 +78,7 @@ def test_punica_wrapper_kinds(release):
     assert f"PunicaWrapperNPU: no_lora {LAYOUTS[release][1]}" in out["final_reason"]  # the run-time note
 
 
-@pytest.mark.parametrize("release", sorted(LAYOUTS))
+@pytest.mark.parametrize("release", sorted(LAYOUTS), scope="module")  # _result: once per release
 def test_per_forward_hides_only_a_fresh_idle_context(release):
     out = _result(release)
     kinds = out["kinds"]
@@ -99,7 +99,7 @@ def test_per_forward_hides_only_a_fresh_idle_context(release):
     assert out["runs"][NPU + " (omni only)"][0]["patched"] == "saw context"
 
 
-@pytest.mark.parametrize("release", sorted(LAYOUTS))
+@pytest.mark.parametrize("release", sorted(LAYOUTS), scope="module")  # _result: once per release
 def test_stale_no_lora_fools_a_gate_on_the_flag_alone(release):
     """A no-LoRA prefill, then a decode mapping WITH adapter tokens: vLLM's base wrapper keeps no_lora True."""
     out = _result(release)
