@@ -260,11 +260,11 @@ def test_distill_lora_at_startup_equals_stock(run):
     stats = same_pixels(run.omni, r["stock"], r["shim"])
     assert stats.get("differing") == 0, stats
     assert "lora keys loaded into" in r["shim_log"]
-    fused_record(r["shim_records"], "lora-accel-delta")  # the loader patch applied where the model loaded
+    applied_record(r["shim_records"], "lora-accel-delta")  # the loader patch applied where the model loaded
 
 
 # -- lora-cpu-fused-delta in a real server ---------------------------------------------------------------------------
-def fused_record(records, patch="lora-cpu-fused-delta"):
+def applied_record(records, patch):
     """The record of the process that loaded the model (inline: the API server), where ``patch`` applied."""
     found = [r for r in records if r["patches"].get(patch, {}).get("state") == "applied"]
     assert found, [patch_states(r) for r in records]
@@ -272,7 +272,7 @@ def fused_record(records, patch="lora-cpu-fused-delta"):
 
 
 def fused_entry(records):
-    return fused_record(records)["patches"]["lora-cpu-fused-delta"]
+    return applied_record(records, "lora-cpu-fused-delta")["patches"]["lora-cpu-fused-delta"]
 
 
 FUSED_PARAMS = 2 * 8  # 2 blocks x the 8 linear weights of vllm-omni's Wan block
