@@ -436,6 +436,18 @@ def _driver() -> None:
 # --------------------------------------------------------------------------------------------------
 # Facts and scenarios (run inside a rank).
 # --------------------------------------------------------------------------------------------------
+def settle() -> None:
+    """World barrier before a rank tears groups down. A group's constructor returns in a rank once *its* pairs
+    are connected; a slower peer may still be wiring the same mesh. A fast rank that then destroys the group (or
+    exits) closes sockets that peer is about to read: "Gloo connectFullMesh failed ... Connection closed by peer"
+    there, and the ranks still waiting on it hang. Only scenario code that builds a group and drops it without a
+    collective in between needs this; every rank must call it at the same point."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def group_facts(g) -> dict | None:
     if g is None:
         return None
@@ -532,12 +544,14 @@ def init_scenario(rank: int, world_size: int, params: dict) -> dict:
     out["init_s"] = round(time.perf_counter() - t0, 3)
     with worker.contexts():
         out["first"] = collect_facts(d)
+    settle()
     ops.destroy_model_parallel()
     out["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in ("_TP", "_PCP", "_DP", "_EP", "_PP")}
     if params.get("reinit", True):
         worker.init_device(init_dist=False)
         with worker.contexts():
             out["second"] = collect_facts(d)
+        settle()
     ops.destroy_distributed_env()
     return out
 

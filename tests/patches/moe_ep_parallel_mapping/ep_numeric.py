@@ -258,7 +258,7 @@ def numeric_scenario(rank: int, world_size: int, params: dict) -> dict:
     import torch
 
     import vllm_omni.diffusion.distributed.parallel_state as ops
-    from support.ep_world import _degrees, make_od_config
+    from support.ep_world import _degrees, make_od_config, settle
     from patches.moe_ep_parallel_mapping.moe_ep_scenarios import install_model_standins, transformer_module_name
     from vllm_omni.diffusion.worker import diffusion_worker as dw
 
@@ -305,10 +305,12 @@ def numeric_scenario(rank: int, world_size: int, params: dict) -> dict:
         rec["standins"] = {"translated": STANDIN_CALLS["translated"] - before["translated"],
                            "untouched": STANDIN_CALLS["untouched"] - before["untouched"],
                            "variable_collectives": STANDIN_CALLS["gatherv"][before["gatherv"]:]}
+        settle()
         ops.destroy_model_parallel()
         rec["phase_s"] = round(time.perf_counter() - t0, 3)
     st = {s.id: s for s in omni_patches.status()}.get("moe-ep-parallel-mapping")
     out["patch"] = None if st is None else {"state": st.state, "reason": st.reason}
+    settle()
     ops.destroy_distributed_env()
     return out
 
