@@ -77,6 +77,24 @@ def test_a_zygote_that_is_gone_costs_only_speed(zygotes, tmp_path):
     assert zygotes.run(["exiting_case", "affected", "0"], env, None, 120)[0] == 3
 
 
+SEEN = "import os, torch; print('SEEN', os.environ.get('OMNI_TEST_MARK'), torch.get_num_threads())"
+
+
+def test_children_share_a_zygote_unless_the_preload_would_differ(zygotes, tmp_path):
+    """A zygote is keyed by what its preload reads: children that differ in a case knob share one and each sees
+    its own value; a variable torch reads as it is imported (``OMP_NUM_THREADS``) gets a zygote of its own, so
+    the child's torch is the one a fresh interpreter would have."""
+    base = {**_env(tmp_path), "OMP_NUM_THREADS": "2"}
+    seen = []
+    for extra in ({"OMNI_TEST_MARK": "a"}, {"OMNI_TEST_MARK": "b"}, {"OMNI_TEST_MARK": "c", "OMP_NUM_THREADS": "1"}):
+        env = {**base, **extra}
+        rc, out, err = zygotes.run([], env, None, 120, code=SEEN)
+        fresh = subprocess.run([sys.executable, "-c", SEEN], capture_output=True, text=True, env=env, timeout=120)
+        assert rc == 0 and out == fresh.stdout, (out, err, fresh.stdout)
+        seen.append((out.split()[1:], len(zygotes._procs)))
+    assert seen == [(["a", "2"], 1), (["b", "2"], 1), (["c", "1"], 2)]
+
+
 def test_check_uses_the_zygote_unless_switched_off(tmp_path, monkeypatch, mocker):
     (tmp_path / "exiting_case.py").write_text(TORCH_CASE)
     spy = mocker.spy(contract.zygotes, "run")

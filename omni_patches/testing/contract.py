@@ -204,9 +204,10 @@ ZYGOTE_ENV = "OMNI_TESTING_ZYGOTE"
 
 
 class Zygotes:
-    """One :mod:`omni_patches.testing.zygote` per (environment, working directory) this process runs children in: a
-    child is a fork of a parent that imported torch once. ``PYTHONPATH`` is the child's own (the zygote starts
-    without it), so children of every case share a zygote. Anything wrong with a zygote (it died, it cannot
+    """One :mod:`omni_patches.testing.zygote` per (start environment, working directory) this process runs children
+    in: a child is a fork of a parent that imported torch once. The start environment is what the preload reads
+    (:meth:`preload_env`); the rest, ``PYTHONPATH`` included, is each child's own, so children of every case share a
+    zygote. Anything wrong with a zygote (it died, it cannot
     start) and the child runs in a fresh interpreter instead, as before."""
 
     def __init__(self):
@@ -227,17 +228,30 @@ class Zygotes:
         value = env.get(ZYGOTE_ENV, os.environ.get(ZYGOTE_ENV, "1")).strip().lower()
         return not value or value not in OFF_WORDS  # unset or empty: the default, on
 
-    #: What may differ between the children one zygote forks: pytest names the running test in the environment,
-    #: and each child rebuilds ``sys.path`` from its own ``PYTHONPATH``.
-    VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "PYTHONPATH"})
+    #: What the interpreter and the preload (torch, numpy and their OpenMP / oneDNN runtimes) read as they start:
+    #: a zygote is started with these alone and serves every child that agrees on them. Everything else -- a
+    #: case's knobs, ``VLLM_*``, the shim's switches -- a child reads after the fork, from its own request, so
+    #: children that differ only there share one zygote (keyed by the whole environment, nearly every case
+    #: started its own, ~7 CPU-s each). ``PYTHONPATH`` is each child's own: it rebuilds ``sys.path`` from it.
+    PRELOAD_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL", "ONEDNN", "DNNL", "OPENBLAS",
+                        "NUMPY", "CUDA", "TRITON", "LD_", "LC_", "XDG_")
+    PRELOAD_NAMES = frozenset({"HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER"})
+    VOLATILE = frozenset({"PYTHONPATH"})
     MAX = 3  # zygotes alive at once (each holds an interpreter with torch imported)
     #: Starts the zygote from this checkout's (or installation's) omni_patches, then leaves its path as an
     #: interpreter with no PYTHONPATH has it.
     BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from omni_patches.testing import zygote; del sys.path[0];"
             " zygote.main()")
 
+    @classmethod
+    def preload_env(cls, env) -> dict:
+        """The part of ``env`` a zygote is started with (and keyed by)."""
+        return {k: v for k, v in env.items()
+                if k not in cls.VOLATILE and (k in cls.PRELOAD_NAMES or k.startswith(cls.PRELOAD_PREFIXES))}
+
     def _get(self, env, cwd):
-        key = (tuple(sorted((k, v) for k, v in env.items() if k not in self.VOLATILE)), str(cwd or ""))
+        start_env = self.preload_env(env)
+        key = (tuple(sorted(start_env.items())), str(cwd or ""))
         proc = self._procs.get(key)
         if proc is None or proc.poll() is not None:
             self._procs.pop(key, None)
@@ -246,7 +260,7 @@ class Zygotes:
             home = str(Path(__file__).resolve().parents[2])
             proc = self._procs[key] = subprocess.Popen(
                 [sys.executable, "-c", self.BOOT, home], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, env={k: v for k, v in env.items() if k != "PYTHONPATH"}, cwd=cwd,
+                stderr=subprocess.DEVNULL, env=start_env, cwd=cwd,
                 text=True)
         return key, proc
 
