@@ -1,3 +1,4 @@
+import atexit
 import logging
 import os
 import re
@@ -73,6 +74,18 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(IPC_DIR, "inductor")  # tor
 os.environ["TMPDIR"] = IPC_DIR
 
 
+def _remove_own_dirs():
+    """The session's state and IPC directories, if this process made them: at the session's end, and at exit
+    for a run that never got a session (a usage error is raised after this file made them)."""
+    if SESSION_ROOT == SESSION_STATE_DIR:
+        shutil.rmtree(SESSION_ROOT, ignore_errors=True)
+    if _OWN_IPC_DIR:
+        shutil.rmtree(IPC_DIR, ignore_errors=True)
+
+
+atexit.register(_remove_own_dirs)
+
+
 def pytest_configure(config):
     """pytest's own temporary directories (``tmp_path``, ``tmp_path_factory``) in one directory of the session's:
     removed when every test passed, kept (and named) when one failed. Workers under xdist get theirs from the
@@ -145,10 +158,7 @@ def pytest_sessionfinish(session, exitstatus):
             reporter = session.config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
                 reporter.write_line(f"the failed tests' temporary directories: {basetemp}")
-    if SESSION_ROOT == SESSION_STATE_DIR:
-        shutil.rmtree(SESSION_ROOT, ignore_errors=True)
-    if _OWN_IPC_DIR:
-        shutil.rmtree(IPC_DIR, ignore_errors=True)
+    _remove_own_dirs()
 
 
 class _ListHandler(logging.Handler):
