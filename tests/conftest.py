@@ -74,9 +74,15 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(IPC_DIR, "inductor")  # tor
 os.environ["TMPDIR"] = IPC_DIR
 
 
+_MAKER_PID = os.getpid()
+
+
 def _remove_own_dirs():
     """The session's state and IPC directories, if this process made them: at the session's end, and at exit
-    for a run that never got a session (a usage error is raised after this file made them)."""
+    for a run that never got a session (a usage error is raised after this file made them). A test's forked
+    child inherits the exit handler, never the directories."""
+    if os.getpid() != _MAKER_PID:
+        return
     if SESSION_ROOT == SESSION_STATE_DIR:
         shutil.rmtree(SESSION_ROOT, ignore_errors=True)
     if _OWN_IPC_DIR:
