@@ -236,7 +236,10 @@ class Zygotes:
     PRELOAD_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL", "ONEDNN", "DNNL", "OPENBLAS",
                         "NUMPY", "CUDA", "TRITON", "LD_", "LC_", "XDG_")
     PRELOAD_NAMES = frozenset({"HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER"})
-    VOLATILE = frozenset({"PYTHONPATH"})
+    CHILD_OWN = "PYTHONPATH"  # matches PRELOAD_PREFIXES, but is each child's own (not part of the key)
+    #: pytest's name for the test that starts a zygote, passed on but never keyed: bench/suite_cpu.py charges the
+    #: zygote's CPU to that test.
+    TEST_NAME = "PYTEST_CURRENT_TEST"
     MAX = 3  # zygotes alive at once (each holds an interpreter with torch imported)
     #: Starts the zygote from this checkout's (or installation's) omni_patches, then leaves its path as an
     #: interpreter with no PYTHONPATH has it.
@@ -247,13 +250,7 @@ class Zygotes:
     def preload_env(cls, env) -> dict:
         """The part of ``env`` a zygote is started with (and keyed by)."""
         return {k: v for k, v in env.items()
-                if k not in cls.VOLATILE and (k in cls.PRELOAD_NAMES or k.startswith(cls.PRELOAD_PREFIXES))}
-
-    @staticmethod
-    def _named(env) -> dict:
-        """pytest's name for the test that starts a zygote (never part of its key): bench/suite_cpu.py charges the
-        zygote's CPU to that test."""
-        return {k: env[k] for k in ("PYTEST_CURRENT_TEST",) if k in env}
+                if k != cls.CHILD_OWN and (k in cls.PRELOAD_NAMES or k.startswith(cls.PRELOAD_PREFIXES))}
 
     def _get(self, env, cwd):
         start_env = self.preload_env(env)
@@ -264,10 +261,12 @@ class Zygotes:
             while len(self._procs) >= self.MAX:  # the oldest goes: a run rarely returns to an environment it left
                 self._stop(self._procs.pop(next(iter(self._procs))))
             home = str(Path(__file__).resolve().parents[2])
+            boot_env = dict(start_env)
+            if self.TEST_NAME in env:
+                boot_env[self.TEST_NAME] = env[self.TEST_NAME]
             proc = self._procs[key] = subprocess.Popen(
                 [sys.executable, "-c", self.BOOT, home], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, env={**start_env, **self._named(env)}, cwd=cwd,
-                text=True)
+                stderr=subprocess.DEVNULL, env=boot_env, cwd=cwd, text=True)
         return key, proc
 
     def run(self, argv, env, cwd, timeout, code=None):
