@@ -70,6 +70,9 @@ def scenario(module, peer_alive: bool, wait_s: float) -> dict:
         if binds:  # libzmq drops the pipe when the IPC connection closes: the socket then has no peer
             out["peer_dropped"] = wait_for(lambda: not sock.poll(0, zmq.POLLOUT), 10)
         out["engine_dead_seen"] = wait_for(lambda: client._engine_dead, 10)  # the client's own monitor thread
+        # What shutdown() reads before it signals the process manager (stock, the fix and the patch alike): once
+        # in a full run upstream's fixed client signalled the manager of a SIGKILLed, joined peer.
+        out["alive_at_shutdown"] = peer.is_alive()
 
     done, box = threading.Event(), {}
 
