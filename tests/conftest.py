@@ -112,7 +112,8 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core plus one. The suite waits a lot (servers coming up, stock's blocked stops,
     Ray, timeouts: the machine was 77 % busy with one worker per core); a third worker on 2 cores fills that time
     (warm, same tree: 13.9 min against 14.7 and 14.8). ``--maxprocesses`` still caps it."""
-    return (os.cpu_count() or 1) + 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores + 1  # the cores this process may use, as xdist's own ``auto`` counts them
 
 
 def shared_work_group(item):
