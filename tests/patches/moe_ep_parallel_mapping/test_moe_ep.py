@@ -279,9 +279,8 @@ def test_mc2_survives_a_lagging_rank0(patched):
     # returns from the constructors last is not asserted: the peers wait for rank 0, so they return within
     # milliseconds of it, in either order (CI once saw rank 0 first by 0.010 s). Without settle() this world
     # fails with "Connection closed by peer" (checked on 0.18.0 and 0.24.0rc1).
-    lag = models[0]["mc2_done_at"] - max(m["mc2_done_at"] for m in models[1:])
-    print(f"\n{version}: rank 0 in the MC2 constructors {models[0]['rank0_starved_s']} s, last by {lag:.3f} s")
-    assert models[0]["rank0_starved_s"] > 0, models[0]
+    print(f"\n{version}: rank 0 in the MC2 constructors {models[0]['rank0_starved_s']} s")
+    assert models[0].get("rank0_starved_s", 0) > 0, models[0]
     assert all(m["mc2"]["world_size"] == 8 and m["mc2"]["live"] for m in models)
 
 
