@@ -307,6 +307,10 @@ def _clean_uv_cache(uv_cache: Path) -> None:
     archives = next(uv_cache.glob("archive-v*"), None)
     if not lock.exists() or archives is None:
         return
+    try:
+        uv = uv_command()
+    except RuntimeError:
+        return  # an interpreter without the test extras (.ci/run's oldest-wrapt venv): a full session cleans
     seen = str(archives.stat().st_mtime_ns)
     if stamp.exists() and stamp.read_text() == seen:
         return  # no archive came or went since the last clean-up
@@ -318,7 +322,7 @@ def _clean_uv_cache(uv_cache: Path) -> None:
             for path in (link, *link.parent.glob(link.name + ".*")):
                 path.unlink(missing_ok=True)
     if unused:
-        subprocess.run([*uv_command(), "cache", "prune", "--quiet"], env={**uv_env(), "UV_CACHE_DIR": str(uv_cache)},
+        subprocess.run([*uv, "cache", "prune", "--quiet"], env={**uv_env(), "UV_CACHE_DIR": str(uv_cache)},
                        cwd=CACHE, capture_output=True, timeout=600)
     stamp.write_text(str(archives.stat().st_mtime_ns))
 
