@@ -51,8 +51,6 @@ from support.wheels import PYCACHE, clean_once  # noqa: E402
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
-if not XDIST_WORKER:
-    clean_once()  # here, before the workers start: they and every process of the session inherit that it is done
 
 # Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
 # to unless told otherwise, and rendezvous goes to MASTER_ADDR.
@@ -90,6 +88,10 @@ def _remove_own_dirs():
 
 
 atexit.register(_remove_own_dirs)
+if not XDIST_WORKER:
+    # Before the workers start (they and every process of the session inherit that it is done), after the exit
+    # handler: a clean-up that raises must not leave the session's directories behind.
+    clean_once()
 
 
 def pytest_configure(config):
