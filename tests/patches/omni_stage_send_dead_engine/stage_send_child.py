@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import threading
 import time
 
 from support.omni_children import activate, child_main, status
-from support.stage_peer import MODULE, open_peer, start_peer, wait_for
+from support.stage_peer import MODULE, kill_and_reap, open_peer, start_peer, wait_for
 
 PATCH_ID = "omni-stage-send-dead-engine"
 METHODS = ("add", "abort", "rpc")
@@ -134,10 +133,9 @@ def dead(module, zmq, wait_s):
     for method in METHODS:
         for marked in (True, False):
             peer, conn, client, binds = _start_peer(module, zmq)
-            os.kill(peer.pid, signal.SIGKILL)
-            peer.join()
+            reaped = kill_and_reap(peer)
             sock = client._request_socket
-            info = {"client_binds": binds, "engine_dead_seen": wait_for(lambda: client._engine_dead, 10)}
+            info = {"client_binds": binds, "peer_reaped": reaped, "engine_dead_seen": wait_for(lambda: client._engine_dead, 10)}
             if binds:  # libzmq drops the pipe when the IPC connection closes: the socket then has no peer
                 info["peer_dropped"] = wait_for(lambda: not sock.poll(0, zmq.POLLOUT), 10)
             if not marked:

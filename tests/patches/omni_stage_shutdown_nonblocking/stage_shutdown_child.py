@@ -25,12 +25,11 @@ The child leaves with ``os._exit`` so a thread stuck in a blocking send cannot k
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 
 from support.omni_children import activate, child_main, status
-from support.stage_peer import MODULE, open_peer, start_peer, wait_for
+from support.stage_peer import MODULE, kill_and_reap, open_peer, start_peer, wait_for
 
 PATCH_ID = "omni-stage-shutdown-nonblocking"
 
@@ -64,15 +63,12 @@ def scenario(module, peer_alive: bool, wait_s: float) -> dict:
     sock = client._request_socket
     out = {"client_binds": binds}
     if not peer_alive:
-        os.kill(peer.pid, signal.SIGKILL)
-        peer.join()
-        out["peer_exitcode_before"] = peer.exitcode  # -9 once reaped (diagnostic: shutdown() reads is_alive())
+        out["peer_reaped"] = kill_and_reap(peer)
+        out["peer_exitcode_before"] = peer.exitcode  # -9
         if binds:  # libzmq drops the pipe when the IPC connection closes: the socket then has no peer
             out["peer_dropped"] = wait_for(lambda: not sock.poll(0, zmq.POLLOUT), 10)
         out["engine_dead_seen"] = wait_for(lambda: client._engine_dead, 10)  # the client's own monitor thread
-        # What shutdown() reads before it signals the process manager (stock, the fix and the patch alike): once
-        # in a full run upstream's fixed client signalled the manager of a SIGKILLed, joined peer.
-        out["alive_at_shutdown"] = peer.is_alive()
+        out["alive_at_shutdown"] = peer.is_alive()  # what shutdown() reads before it signals the process manager
 
     done, box = threading.Event(), {}
 

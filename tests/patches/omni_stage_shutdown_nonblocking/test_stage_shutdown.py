@@ -39,9 +39,9 @@ def _outcome(phase):
     """What the caller of shutdown() can observe, for comparing patched-old with upstream-fixed."""
     keys = ("returned", "error", "request_socket_closed", "response_socket_closed", "context_closed",
             "peer_exitcode", "peer_received")
-    # With a live peer, whether it exits before is_alive() is checked is a race; with a dead one, whether the
-    # process manager is signalled follows what is_alive() said (the same test in stock, the fix and the patch).
-    if "peer_received" not in phase and not phase.get("alive_at_shutdown"):
+    # With a live peer, whether it exits before is_alive() is checked is a race; a dead one is reaped (and reads
+    # as dead) before shutdown() runs: the process manager must not be signalled.
+    if "peer_received" not in phase:
         keys += ("manager_shutdown_calls",)
     return {k: phase.get(k) for k in keys}
 
@@ -53,6 +53,7 @@ def test_stock_blocks_on_a_dead_peer_and_the_patch_returns(runs, version):
     # The precondition of the bug, observed: the peer was SIGKILLed, libzmq dropped its pipe, the client's
     # own monitor thread saw the death (where the orchestrator starts evicting).
     assert stock["client_binds"] and stock["peer_dropped"] and stock["engine_dead_seen"]
+    assert stock["peer_reaped"] and stock["alive_at_shutdown"] is False, stock
     assert stock["returned"] is False, f"stock {version} shutdown() returned: {stock}"
 
     assert res["status"]["state"] == "applied", res["status"]
@@ -61,7 +62,7 @@ def test_stock_blocks_on_a_dead_peer_and_the_patch_returns(runs, version):
     assert patched["returned"] is True and "error" not in patched, patched
     # ... and it finished the stock shutdown: sockets and context closed; a dead process is not signalled.
     assert patched["request_socket_closed"] and patched["response_socket_closed"] and patched["context_closed"]
-    assert patched["manager_shutdown_calls"] == int(patched["alive_at_shutdown"]), patched
+    assert patched["alive_at_shutdown"] is False and patched["manager_shutdown_calls"] == 0, patched
     assert "dropped instead of blocking" in res["status_after"]["reason"]
 
 
@@ -79,6 +80,7 @@ def test_fixed_release_skips_and_behaves_like_the_patch(runs, version):
     assert res["status"]["state"] == "skipped:version" and "fixed upstream" in res["status"]["reason"]
     # Upstream's own fix on the same inputs: returns on a dead peer, delivers to a live one ...
     assert res["stock_dead"]["returned"] is True and res["stock_dead"]["peer_dropped"]
+    assert res["stock_dead"]["alive_at_shutdown"] is False and res["stock_dead"]["manager_shutdown_calls"] == 0
     assert res["stock_live"]["peer_received"] == [{"type": "shutdown"}]
     # ... with exactly what the patched old releases show.
     for old in ("0.28.0", "0.30.0"):
@@ -210,5 +212,6 @@ def test_stack_fixed_release_matches_the_patch(stack_runs):
     assert res["status"]["state"] == "skipped:version" and "fixed upstream" in res["status"]["reason"]
     assert res["stock_dead"]["returned"] is True
     for old in ("0.28.0", "0.30.0"):
+        assert stack_runs[old]["patched_dead"]["alive_at_shutdown"] is False, stack_runs[old]["patched_dead"]
         assert _outcome(res["stock_dead"]) == _outcome(stack_runs[old]["patched_dead"])
         assert _outcome(res["stock_live"]) == _outcome(stack_runs[old]["patched_live"])
