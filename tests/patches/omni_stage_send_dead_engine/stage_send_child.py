@@ -135,7 +135,8 @@ def dead(module, zmq, wait_s):
             peer, conn, client, binds = _start_peer(module, zmq)
             reaped = kill_and_reap(peer)
             sock = client._request_socket
-            info = {"client_binds": binds, "peer_reaped": reaped, "engine_dead_seen": wait_for(lambda: client._engine_dead, 10)}
+            info = {"client_binds": binds, "peer_reaped": reaped,
+                    "engine_dead_seen": wait_for(lambda: client._engine_dead, 10)}
             if binds:  # libzmq drops the pipe when the IPC connection closes: the socket then has no peer
                 info["peer_dropped"] = wait_for(lambda: not sock.poll(0, zmq.POLLOUT), 10)
             if not marked:
