@@ -307,13 +307,13 @@ def _clean_uv_cache(uv_cache: Path) -> None:
     archives = next(uv_cache.glob("archive-v*"), None)
     if not lock.exists() or archives is None:
         return
+    seen = str(archives.stat().st_mtime_ns)
+    if stamp.exists() and stamp.read_text() == seen:
+        return  # no archive came or went since the last clean-up
     try:
         uv = uv_command()
     except RuntimeError:
         return  # an interpreter without the test extras (.ci/run's oldest-wrapt venv): a full session cleans
-    seen = str(archives.stat().st_mtime_ns)
-    if stamp.exists() and stamp.read_text() == seen:
-        return  # no archive came or went since the last clean-up
     with atomic.held_if_free(lock) as held:
         if not held:
             return  # a uv process is at work in it: next session

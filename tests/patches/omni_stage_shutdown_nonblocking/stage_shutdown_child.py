@@ -64,7 +64,6 @@ def scenario(module, peer_alive: bool, wait_s: float) -> dict:
     out = {"client_binds": binds}
     if not peer_alive:
         out["peer_reaped"] = kill_and_reap(peer)
-        out["peer_exitcode_before"] = peer.exitcode  # -9
         if binds:  # libzmq drops the pipe when the IPC connection closes: the socket then has no peer
             out["peer_dropped"] = wait_for(lambda: not sock.poll(0, zmq.POLLOUT), 10)
         out["engine_dead_seen"] = wait_for(lambda: client._engine_dead, 10)  # the client's own monitor thread
