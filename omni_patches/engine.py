@@ -14,7 +14,8 @@ import sys
 from _thread import RLock  # not `threading`: its import chain alone would eat the start-up budget
 
 from . import flags, registry
-from .states import Cause, State
+
+# ``states`` (an enum: ~7 ms of imports) is imported inside the functions that run after start-up, never here.
 
 _lock = RLock()
 
@@ -209,6 +210,8 @@ def _report_registry(reg, check_env=True):
 
 def _start():
     """The heavy half of activation, run once at the first import of a target package."""
+    from .states import State
+
     state = _state
     if state is None:
         return None
@@ -299,6 +302,7 @@ def _attempt(spec, target, module, rt, dry_run):
     import importlib
 
     from .context import Drift, FixedUpstream, NotAffected, PatchContext
+    from .states import Cause, State
 
     sink = []
     ctx = PatchContext(spec, target, module, rt.decision.installed, rt, dry_run=dry_run, sink=sink)
@@ -326,6 +330,7 @@ def check_target(spec, decision, target, module):
     PatchRun` whose state is ``ready`` when the patch would apply there, else drifted / failed / skipped:version
     with its reason and cause; ``found`` lists what the patch recognised."""
     from .runs import PatchRun
+    from .states import State
 
     rt = PatchRun(spec.id, decision)
     _, outcome = _attempt(spec, target, module, rt, dry_run=True)  # a dry run installs nothing
@@ -338,6 +343,7 @@ def check_target(spec, decision, target, module):
 
 def _apply_target(state, patch_id, target, module):
     from . import log
+    from .states import State
 
     with _lock:
         rt = state.runtime[patch_id]
@@ -373,6 +379,7 @@ def _apply_target(state, patch_id, target, module):
 def _report_outcome(spec, target, rt, exc):
     """Log why ``spec`` did not apply at ``target`` (once); strict mode turns drift and failure into errors."""
     from . import log
+    from .states import Cause, State
 
     pid = spec.id
     if rt.cause in (Cause.FIXED_UPSTREAM, Cause.NOT_AFFECTED):
@@ -398,6 +405,8 @@ def _stale(records):
 def _check_in_place(rt):
     """An applied patch whose installed objects are gone -- ``importlib.reload`` of a target re-creates its
     functions and classes, stock -- is ``reverted``, and says which; fine again once re-applied."""
+    from .states import State
+
     if rt.state not in (State.APPLIED, State.REVERTED):
         return
     gone = _stale(rt.records)
@@ -450,6 +459,7 @@ def _undo_records(state, rt):
 def unapply(patch_id):
     """Undo one patch. True if something was restored; unknown or never-applied ids give False."""
     from . import log
+    from .states import Cause, State
 
     with _lock:
         if _state is None or patch_id not in _state.runtime:
@@ -571,6 +581,7 @@ def run(patch_id):
 def _log_needs(state):
     """Log once when an applied patch's needed patch ended disabled, drifted, failed or out of range."""
     from . import log, reports
+    from .states import State
 
     for spec in state.registry.specs.values():
         rt = state.runtime.get(spec.id)
