@@ -16,7 +16,8 @@ together, each phase serving several cases, and the tests assert on what the pha
   which blocks ~30 s where #7810 is unfixed, runs on while the next phase starts: it is mostly waiting);
 * ``startup`` -- a LoRA fused at start-up (``--lora-backend distill --lora-path X``: vllm-omni's
   ``LoraLoaderMixin``, the loader the LoRA patches wrap): stock with the bf16 LoRA, the shim with
-  ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the LoRA in bf16 and in fp32, and -- where a default patch wraps
+  ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the LoRA in bf16 (and in fp32 on ``FP32_SERVED`` only: the fp32
+  path of every release's real loader is in ``test_fused_real_loader.py``), and -- where a default patch wraps
   that loader (``PATCHES_AFFECTED_LOADER``) -- the shim with its default patches and the bf16 LoRA. Elsewhere
   the default shim is stock on this path (the fused servers' records say so) and the ``replicated`` phase
   already compares it with stock.
@@ -43,6 +44,9 @@ pytestmark = [pytest.mark.serving, pytest.mark.stack]
 
 PATCHES_AFFECTED_SHUTDOWN = {"0.28.0", "0.30.0"}  # omni-stage-shutdown-nonblocking: 0.24.0rc1-0.30.0
 PATCHES_AFFECTED_LOADER = {"0.28.0"}  # lora-accel-delta, the default patch on the start-up loader: 0.27.0rc1-0.29
+# The one stack that serves the fused fp32 LoRA too (the newest final): a server costs ~30 CPU-s, and the fp32 path
+# of the real loader of every release runs in tests/patches/lora_cpu_fused_delta/test_fused_real_loader.py.
+FP32_SERVED = "0.30.0"
 REPLICATED = ["--stage-overrides", json.dumps({"0": {"num_replicas": 2}})]
 PER_REQUEST_LORA_SCALE = 1.0
 # A stopped server "exits promptly" within this; a clean stop of the two-replica server takes ~10-13 s here.
@@ -181,7 +185,7 @@ class StackRun:
         servers = {"stock": self.server("stock-distill", shim=False, args=lora("bf16"))}
         if self.omni in PATCHES_AFFECTED_LOADER:
             servers["shim"] = self.server("shim-distill", shim=True, args=lora("bf16"))
-        for tag in ("bf16", "fp32"):
+        for tag in fused_tags(self.omni):
             servers[tag] = self.server(f"shim-fused-{tag}", shim=True, env=fused, args=lora(tag))
         out = {}
         try:
@@ -225,6 +229,11 @@ def same_pixels(omni, a, b):
     return stats
 
 
+def fused_tags(omni):
+    """The LoRA dtypes served fused at start-up on ``omni``."""
+    return ("bf16", "fp32") if omni == FP32_SERVED else ("bf16",)
+
+
 def patch_states(record):
     return {k: v["state"] for k, v in record["patches"].items()}
 
@@ -252,7 +261,7 @@ def test_distill_lora_at_startup_equals_stock(run):
     if run.omni not in PATCHES_AFFECTED_LOADER:
         # No default patch wraps the start-up loader here (so no default-shim server runs this phase): the shim's
         # servers say so for the loader patch, and the fused servers loaded the LoRA through it.
-        for tag in ("bf16", "fp32"):
+        for tag in fused_tags(run.omni):
             assert "lora keys loaded into" in r[f"{tag}_log"]
             states = {rec["pid"]: patch_states(rec)["lora-accel-delta"] for rec in r[f"{tag}_records"]}
             assert states and set(states.values()) == {"skipped:version"}, states
@@ -325,6 +334,8 @@ def test_fused_bf16_lora_starts_runs_fused_and_stays_within_bound(run):
 
 
 def test_fused_fp32_lora_starts_and_says_which_path_ran(run):
+    if "fp32" not in fused_tags(run.omni):
+        pytest.skip(f"the fp32 LoRA is served on vllm-omni {FP32_SERVED} only")
     f = run.phase("startup")
     assert run.model["bf16_fp32_delta_mismatches"] == 0  # stock's bf16 image is stock's fp32 image (model doc)
     entry = fused_entry(f["fp32_records"])
@@ -434,7 +445,7 @@ def test_every_server_stopped_and_left_nothing_behind(run):
     for phase in ("replicated", "startup"):
         run.phase(phase)
     run.settled()
-    assert len(run.servers) == (6 if run.omni in PATCHES_AFFECTED_LOADER else 5)
+    assert len(run.servers) == 3 + len(fused_tags(run.omni)) + (run.omni in PATCHES_AFFECTED_LOADER)
     for s in run.servers:
         stopped = getattr(s, "stopped", None)
         assert stopped, s.name
