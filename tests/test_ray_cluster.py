@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from support import ray_cluster
+from support import ray_cluster, wheels
 from support.stacks import ray_python
 from support.venvs import clean_env
 
@@ -58,14 +58,15 @@ def run(shimmed_stack, tmp_path_factory):
         pytest.skip("needs `unshare --net` (a private network namespace keeps every Ray address on loopback)")
     stack = shimmed_stack("0.28.0")  # this checkout, installed into the stack venv
     python = ray_python("0.28.0")
-    model = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(stack), str(SUPPORT / "ray_model.py"), str(model)], check=True, capture_output=True,
-                   env=clean_env(), timeout=300)
+    script = SUPPORT / "ray_model.py"
+    # Written once per script and stack (deterministic: seeded, no download), read-only to the scenario.
+    model = wheels.sandbox("ray-tiny-llama", f"{script.read_text()}\n{stack}", lambda tmp: subprocess.run(
+        [str(stack), str(script), str(tmp)], check=True, capture_output=True, env=clean_env(), timeout=300))
     work = tempfile.mkdtemp(prefix="opr", dir="/tmp")  # short: Ray's unix socket paths must stay < 108 chars
     cfg = Path(work) / "config.json"
     out = Path(work) / "result.json"
     cfg.write_text(json.dumps({"python": str(python), "model": str(model), "support": str(SUPPORT), "work": work,
-                               "out": str(out)}))
+                               "out": str(out), "cache": str(wheels.CACHE / "ray-run")}))
     started = time.monotonic()
     with open(Path(work) / "scenario.log", "w") as log:
         proc = subprocess.Popen(["unshare", "--net", str(python), str(SUPPORT / "ray_cluster.py"), str(cfg)],

@@ -3,7 +3,8 @@
 ``python ray_cluster.py CONFIG_JSON`` (run by tests/test_ray_cluster.py inside a private network namespace,
 ``unshare --net``, as the leader of its own session) with CONFIG_JSON holding ``python`` (stack interpreter
 with ray), ``model`` (tests/support/ray_model.py output), ``support`` (this directory), ``work`` (a short
-scratch directory: Ray's unix sockets must stay under 108 characters) and ``out`` (result JSON path).
+scratch directory: Ray's unix sockets must stay under 108 characters), ``out`` (result JSON path) and
+``cache`` (kept between runs: vLLM's and torch inductor's caches).
 
 * Nodes: ``ray start --head --node-ip-address=127.0.0.1`` and ``ray start --address=127.0.0.1:<port>
   --node-ip-address=127.0.0.2``, each from an empty environment (only PATH, HOME, PYTHONPATH, VLLM_HOST_IP,
@@ -92,6 +93,10 @@ class Cluster:
         self.model = cfg["model"]
         self.home = os.path.join(self.work, "home")  # vLLM's config root (ray_non_carry_over_env_vars.json) too
         os.makedirs(self.home, exist_ok=True)
+        # Caches kept between runs, under the test cache root: vLLM's model-info cache (else a subprocess imports
+        # vLLM to inspect the model class, ~12 CPU-s) and torch inductor's (the CPU ISA probes it compiles).
+        self.caches = {"VLLM_CACHE_ROOT": os.path.join(cfg["cache"], "vllm"),
+                       "TORCHINDUCTOR_CACHE_DIR": os.path.join(cfg["cache"], "inductor")}
         self.state = os.path.join(self.work, "state")
         self.pythonpath = os.pathsep.join([plugin_dir(self.work, self.support), self.support])
         self.gcs_port = free_port(HEAD_IP)
@@ -108,7 +113,8 @@ class Cluster:
                "PYTHONPATH": self.pythonpath, "VLLM_HOST_IP": ip, "GLOO_SOCKET_IFNAME": "lo",
                "RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "TMPDIR": self.work}  # vLLM's IPC sockets and torch's caches: in the run's directory, removed with it
+               "TMPDIR": self.work,  # vLLM's IPC sockets and other temporary files: removed with the run's directory
+               **self.caches}
         env.update({k: str(v) for k, v in extra.items() if v is not None})
         return env
 
