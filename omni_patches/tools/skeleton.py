@@ -19,12 +19,15 @@ Stubs raise ``NotImplementedError`` when called. Upstream code is never executed
 ``def`` lines are.
 """
 import ast
+import builtins
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import inspect
 import os
 import sys
+import types
 
 _MISSING = object()
 consulted = set()  # dotted names of External objects the patches looked at (reset by the caller)
@@ -175,6 +178,19 @@ class Imported:
 
     def __init__(self, module, attr=None):
         self.module, self.attr = module, attr
+
+
+_STUB_GLOBALS = {"__builtins__": builtins}
+
+
+@functools.lru_cache(maxsize=None)
+def _stub_code(params, is_async):
+    """The code of ``def _(<params>): raise NotImplementedError``, compiled once per parameter list (an audit
+    builds thousands of stubs from a few hundred distinct lists); each stub renames a copy of it."""
+    text = f"{'async def' if is_async else 'def'} _stub({params}):\n    raise NotImplementedError('skeleton stub')\n"
+    scope = {}
+    exec(compile(text, "<omni-patches skeleton>", "exec", dont_inherit=True), scope)
+    return scope["_stub"].__code__
 
 
 def _codes(code, out):
@@ -350,18 +366,13 @@ class _Builder:
                 kwdefaults[arg.arg] = self._default(default)
         if a.kwarg:
             params.append("**" + a.kwarg.arg)
-        head = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
-        text = f"{head} {node.name}({', '.join(params)}):\n    raise NotImplementedError('skeleton stub')\n"
-        scope = {}
-        exec(compile(text, f"<omni-patches skeleton {self.name}>", "exec", dont_inherit=True), scope)
-        func = scope[node.name]
         qualname = prefix + node.name
-        code = func.__code__
+        code = _stub_code(", ".join(params), isinstance(node, ast.AsyncFunctionDef))
         orig = self.codes.get(qualname)
         extra = tuple(n for n in (orig.co_names if orig is not None else ()) if n not in code.co_names)
-        func.__code__ = code.replace(
-            co_names=code.co_names + extra, co_filename=self.file, co_qualname=qualname,
-            co_firstlineno=orig.co_firstlineno if orig is not None else node.lineno)
+        func = types.FunctionType(code.replace(
+            co_name=node.name, co_names=code.co_names + extra, co_filename=self.file, co_qualname=qualname,
+            co_firstlineno=orig.co_firstlineno if orig is not None else node.lineno), _STUB_GLOBALS, node.name)
         func.__defaults__ = tuple(defaults) or None
         func.__kwdefaults__ = kwdefaults or None
         func.__qualname__ = qualname

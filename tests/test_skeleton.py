@@ -1,0 +1,114 @@
+"""Skeleton stubs have the shape of the real functions: the same file imported for real and as a skeleton agree
+on every attribute a patch's check may read (signature, names, code names, line, file, kind)."""
+import asyncio
+import importlib
+import inspect
+import sys
+import textwrap
+
+import pytest
+
+from omni_patches.tools import skeleton
+
+SOURCE = textwrap.dedent('''
+    import os
+
+    LIMIT = 3
+
+
+    def plain(a, b=2, *args, c, d=None, **kw):
+        return os.path.join(a, b)
+
+
+    def positional_only(x, /, y=(1, 2), *, z="s"):
+        return x
+
+
+    async def coroutine(self, timeout=1.5):
+        await other()
+
+
+    def same_parameters_as_plain(a, b=2, *args, c, d=None, **kw):
+        return LIMIT
+
+
+    class Runner:
+        def forward(self, hidden_states, router_logits, return_with_event=False):
+            return self._forward_impl(hidden_states)
+
+        @classmethod
+        def build(cls, config):
+            return cls()
+
+        @staticmethod
+        def helper(value, scale=len("abc")):
+            return value
+
+        @property
+        def size(self):
+            return self.limit
+
+        class Inner:
+            def step(self, n):
+                return n + 1
+''')
+
+FUNCTIONS = ["plain", "positional_only", "coroutine", "same_parameters_as_plain", "Runner.forward",
+             "Runner.build", "Runner.helper", "Runner.Inner.step"]
+
+
+def _get(module, dotted):
+    obj = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.fixture
+def both(tmp_path):
+    pkg = tmp_path / "skelpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text(SOURCE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        real = importlib.import_module("skelpkg.mod")
+        with skeleton.Imports([(str(tmp_path), {"skelpkg"})]):
+            yield real, importlib.import_module("skelpkg.mod")
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.partition(".")[0] == "skelpkg"]:
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("dotted", FUNCTIONS)
+def test_stub_has_the_shape_of_the_real_function(both, dotted):
+    real, skel = both
+    r, s = _get(real, dotted), _get(skel, dotted)
+    assert s is not r
+    assert len(inspect.signature(s).parameters) == len(inspect.signature(r).parameters)
+    for (rn, rp), (sn, sp) in zip(inspect.signature(r).parameters.items(), inspect.signature(s).parameters.items()):
+        assert (sn, sp.kind, sp.default is inspect.Parameter.empty) == (rn, rp.kind, rp.default is inspect.Parameter.empty)
+        if isinstance(rp.default, (int, float, str, tuple, type(None))) and rn != "scale":
+            assert sp.default == rp.default, (dotted, rn)
+    rf, sf = inspect.unwrap(getattr(r, "__func__", r)), inspect.unwrap(getattr(s, "__func__", s))
+    assert (sf.__name__, sf.__qualname__, sf.__module__) == (rf.__name__, rf.__qualname__, rf.__module__)
+    assert (sf.__code__.co_name, sf.__code__.co_qualname) == (rf.__code__.co_name, rf.__code__.co_qualname)
+    assert (sf.__code__.co_filename, sf.__code__.co_firstlineno) == (rf.__code__.co_filename, rf.__code__.co_firstlineno)
+    assert set(rf.__code__.co_names) <= set(sf.__code__.co_names)
+    assert inspect.iscoroutinefunction(sf) == inspect.iscoroutinefunction(rf)
+    assert inspect.getsource(sf) == inspect.getsource(rf)
+
+
+def test_stubs_sharing_a_parameter_list_stay_distinct_and_never_run_upstream_code(both):
+    _, skel = both
+    a, b = skel.plain, skel.same_parameters_as_plain
+    assert a.__code__ is not b.__code__ and (a.__name__, b.__name__) == ("plain", "same_parameters_as_plain")
+    assert "join" in a.__code__.co_names and "LIMIT" in b.__code__.co_names and "LIMIT" not in a.__code__.co_names
+    for call in (lambda: a("x", c=1), lambda: b("x", c=1), lambda: skel.Runner.build(None),
+                 lambda: skel.Runner.helper(1), lambda: asyncio.run(skel.coroutine(None))):
+        with pytest.raises(NotImplementedError, match="skeleton stub"):
+            call()
+    assert isinstance(skel.Runner.__dict__["size"], property)
+    assert isinstance(skel.Runner.__dict__["build"], classmethod)
+    assert isinstance(skel.Runner.__dict__["helper"], staticmethod)
