@@ -76,3 +76,18 @@ def test_extract_takes_only_wanted_regular_files(tmp_path):
     atomic.extract(sdist, tmp_path / "out", lambda n: n.endswith(".py"))
     got = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert got == ["pkg-1/pkg/a.py"]
+
+
+def test_link_or_copy_links_where_it_can_and_copies_where_it_cannot(tmp_path, mocker):
+    src = tmp_path / "src.py"
+    src.write_text("upstream\n")
+    linked = atomic.link_or_copy(src, tmp_path / "linked.py")
+    assert os.path.samefile(src, linked)
+    link = mocker.patch("os.link", side_effect=OSError(18, "Invalid cross-device link"))
+    copied = atomic.link_or_copy(src, tmp_path / "copied.py")
+    assert link.call_count == 1
+    assert not os.path.samefile(src, copied) and copied.read_text() == "upstream\n"
+    # An edit replaces the linked file (what wheels.tagless and Env.edited do): the source is untouched.
+    linked.unlink()
+    linked.write_text("edited\n")
+    assert src.read_text() == "upstream\n"

@@ -256,17 +256,7 @@ def test_corrupted_shipped_registry_fails_the_audit(shim, tmp_path, capsys):
 
 
 # -- 10. code older than the bug is not affected, not drifted ---------------------------------------------------
-def _tagless(tmp_path, dist, version, package, *edits):
-    """What `git archive <tag>` gives for the package: its .py files, no metadata, no tags."""
-    src = wheels.release_root(dist, version) / package
-    co = tmp_path / f"{package}-{version}"
-    shutil.copytree(src, co / package, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    for rel, old, new in edits:
-        path = co / package / rel
-        text = path.read_text()
-        assert old in text, (rel, old)
-        path.write_text(text.replace(old, new))
-    return co
+_tagless = wheels.tagless  # (tmp_path, dist, version, package, *edits): what `git archive <tag>` gives
 
 
 @pytest.mark.parametrize("version,verdict", [

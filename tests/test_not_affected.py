@@ -8,7 +8,6 @@ on the real ``stage_diffusion_client.py`` with real zmq and a SIGKILLed peer, in
 """
 import functools
 import json
-import shutil
 
 import pytest
 
@@ -31,17 +30,8 @@ _audits = {}
 
 
 def _tagless(tmp_path, version, *edits):
-    """The release's ``vllm_omni`` .py files, no metadata (what ``git archive v<version>`` gives), ``edits``
-    applied as ``(relative path, old, new)``."""
-    co = tmp_path / f"vllm_omni-{version}"
-    shutil.copytree(wheels.release_root("vllm-omni", version) / "vllm_omni", co / "vllm_omni",
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    for rel, old, new in edits:
-        path = co / "vllm_omni" / rel
-        text = path.read_text()
-        assert old in text, (rel, old)
-        path.write_text(text.replace(old, new))
-    return co
+    """The release's ``vllm_omni`` files, no metadata (what ``git archive v<version>`` gives), ``edits`` applied."""
+    return wheels.tagless(tmp_path, "vllm-omni", version, "vllm_omni", *edits)
 
 
 def _audit(capsys, tree, cache):

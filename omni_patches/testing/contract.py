@@ -59,14 +59,6 @@ def cache_dir() -> Path:
 EDITED_LAYOUT = "hard-linked 2"  # 1 copied the source's marker as a link and wrote through it
 
 
-def _link_or_copy(src, dst):
-    try:
-        os.link(src, dst)
-    except OSError:  # another file system, or one without hard links
-        shutil.copy2(src, dst)
-    return dst
-
-
 @dataclass
 class Env:
     """A target version made importable: sys.path entries to prepend (built lazily) plus env vars."""
@@ -90,7 +82,7 @@ class Env:
                 # Hard links where the file system allows (a release tree is ~100 MB, the edit one file), so the
                 # edited file is replaced, never written through its link into the release it came from; the
                 # source's own ``.complete`` is left out (the copy's marker is written into a file of its own).
-                shutil.copytree(src, tmp, symlinks=True, copy_function=_link_or_copy, dirs_exist_ok=True,
+                shutil.copytree(src, tmp, symlinks=True, copy_function=atomic.link_or_copy, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("__pycache__", atomic.COMPLETE))
                 target = Path(tmp) / relpath
                 text = target.read_text()

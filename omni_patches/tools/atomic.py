@@ -4,6 +4,8 @@ and the test-suite fetch and unpack release files.
 * :func:`locked` -- an exclusive ``flock`` on ``<cache>/.<key>.lock`` (parallel audits, pytest-xdist workers);
 * :func:`build_once` -- a directory filled in ``<dest>.part`` and renamed into place with a ``.complete`` marker
   (whose text names how it was built: an entry built another way is rebuilt);
+* :func:`link_or_copy` -- a hard link where the file system allows, else a copy (``copytree``'s
+  ``copy_function`` for trees made from cached ones);
 * :func:`extract` -- the wanted regular files of a wheel, zip or sdist, member names checked (no absolute path,
   ``..`` or NUL), with ``tarfile``'s ``data`` filter where the interpreter has it.
 """
@@ -16,6 +18,16 @@ import tarfile
 import zipfile
 
 COMPLETE = ".complete"
+
+
+def link_or_copy(src, dst):
+    """Hard-link ``src`` to ``dst``; copy it where that fails (another file system, one without hard links). A
+    caller that edits ``dst`` later replaces the file (unlink, then write), never writing through the link."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
 
 
 class UnsafeArchive(Exception):

@@ -335,6 +335,23 @@ def real_file(dist: str, version: str, relpath: str, **kw) -> Path:
     return path
 
 
+def tagless(dest: Path, dist: str, version: str, package: str, *edits: tuple[str, str, str]) -> Path:
+    """What ``git archive <tag>`` gives for ``package`` of a release: its files without metadata, compiled code or
+    tags, as ``dest/<package>-<version>/<package>`` (returned: its parent, a ``--source`` root). Hard links to the
+    cached release; ``edits`` -- ``(path under the package, old, new)`` -- replace their file, never writing
+    through a link into the cache."""
+    co = dest / f"{package}-{version}"
+    shutil.copytree(release_root(dist, version) / package, co / package, copy_function=atomic.link_or_copy,
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for rel, old, new in edits:
+        path = co / package / rel
+        text = path.read_text()
+        assert old in text, (rel, old)
+        path.unlink()
+        path.write_text(text.replace(old, new))
+    return co
+
+
 def fetch_or_skip(dist: str, version: str, **kw) -> Path:
     """Like :func:`unpacked`, but skips the test (loudly) when PyPI cannot be reached, unless CI is set."""
     try:
