@@ -44,20 +44,40 @@ def startup(python, site, runs):
     base = {k: v for k, v in os.environ.items()
             if (not k.startswith("OMNI_PATCHES") or k == "OMNI_PATCHES_STATE_DIR") and k != "PYTHONPATH"}
     on = dict(base, OMNI_PATCHES="1")
-    samples = {"no .pth": [], ".pth, unset": [], ".pth, OMNI_PATCHES=1": []}
+    variants = {"no .pth": (False, base), ".pth, unset": (True, base), ".pth, OMNI_PATCHES=1": (True, on)}
+    samples = {k: [] for k in variants}
+    names = list(variants)
     for _ in range(5):  # warm the page cache
         subprocess.run([str(python), "-c", "pass"], env=base, check=True)
     try:
-        for _ in range(runs):
-            pth.rename(off)
-            time_start(python, base, samples["no .pth"])
-            off.rename(pth)
-            time_start(python, base, samples[".pth, unset"])
-            time_start(python, on, samples[".pth, OMNI_PATCHES=1"])
+        for i in range(runs):
+            # Rotated order: each variant runs first, second and third (right after a rename or not) equally
+            # often, so position effects cancel out instead of landing on one variant.
+            for name in names[i % 3:] + names[:i % 3]:
+                with_pth, env = variants[name]
+                if with_pth != pth.exists():
+                    (off.rename(pth) if with_pth else pth.rename(off))
+                time_start(python, env, samples[name])
     finally:
         if off.exists():
             off.rename(pth)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def pth_line_us(site_dir, n=2000):
+    """What the .pth costs the interpreter directly (OMNI_PATCHES unset): ``site.addpackage`` on it -- open, read,
+    compile and run the line -- in µs, min of 5 x ``n``."""
+    import site
+
+    saved, env = list(sys.path), os.environ.pop("OMNI_PATCHES", None)
+    try:
+        def once():
+            site.addpackage(str(site_dir), "omni_patches.pth", set())
+            sys.path[:] = saved
+        return min(timeit.repeat(once, number=n, repeat=5)) / n * 1e6
+    finally:
+        if env is not None:
+            os.environ["OMNI_PATCHES"] = env
 
 
 def per_call(n=200_000):
@@ -111,6 +131,7 @@ def main(argv=None):
         python, site = build_venv(where)
     try:
         med = startup(python, site, args.runs)
+        line_us = pth_line_us(site)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -121,6 +142,7 @@ def main(argv=None):
     for k, v in med.items():
         print(f"  {k:28s} {v:8.2f} {v / base:7.3f}")
     print(f"  .pth unset vs no .pth:       ratio {med['.pth, unset'] / base:.3f} (budget <= 1.02)")
+    print(f"  the .pth line itself, unset: {line_us:.0f} us in-process (site.addpackage: read, compile, run)")
     print(f"  OMNI_PATCHES=1 vs unset:     {med['.pth, OMNI_PATCHES=1'] - med['.pth, unset']:+.2f} ms (budget <= +5 ms)")
     print("per call (min of 5 x 200k calls)")
     bare = calls["bare call"]
@@ -129,7 +151,7 @@ def main(argv=None):
     if args.json:
         import json
 
-        print("JSON " + json.dumps({"startup_ms": med, "per_call_ns": calls}))
+        print("JSON " + json.dumps({"startup_ms": med, "pth_line_us": line_us, "per_call_ns": calls}))
     return med, calls
 
 
