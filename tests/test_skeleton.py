@@ -112,3 +112,42 @@ def test_stubs_sharing_a_parameter_list_stay_distinct_and_never_run_upstream_cod
     assert isinstance(skel.Runner.__dict__["size"], property)
     assert isinstance(skel.Runner.__dict__["build"], classmethod)
     assert isinstance(skel.Runner.__dict__["helper"], staticmethod)
+
+
+# Non-literal defaults keep their source text: after a form feed (the parser does not split lines there,
+# str.splitlines does), after non-ASCII text (offsets are UTF-8 bytes), over several lines, with \r\n endings.
+DEFAULTS = (
+    '"""Modul für Tests: ünïcödé before the defaults."""\r\n'
+    "import os\r\n"
+    "\x0c\r\n"
+    "def spans(a=os.sep, b=dict(x=1,\r\n"
+    "                          y=[2, 3]), *, c=len('ä') + 1):\r\n"
+    "    return a\r\n"
+    "\r\n"
+    "\x0cclass K:\r\n"
+    "    def m(self, d=os.path.join('é', 'f')): return d"
+)
+
+
+def test_non_literal_defaults_keep_their_source_text(tmp_path):
+    import ast
+
+    pkg = tmp_path / "skeldefaults"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_bytes(DEFAULTS.encode())
+    tree = ast.parse(DEFAULTS.encode())
+    want = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            args = [*fn.args.posonlyargs, *fn.args.args]
+            for arg, node in zip(args[len(args) - len(fn.args.defaults):], fn.args.defaults):
+                want[(fn.name, arg.arg)] = ast.get_source_segment(DEFAULTS, node)
+            for arg, node in zip(fn.args.kwonlyargs, fn.args.kw_defaults):
+                want[(fn.name, arg.arg)] = ast.get_source_segment(DEFAULTS, node)
+    with skeleton.Imports([(str(tmp_path), {"skeldefaults"})]):
+        mod = importlib.import_module("skeldefaults.mod")
+        got = {(f.__name__, name): repr(p.default) for f in (mod.spans, mod.K.m)
+               for name, p in inspect.signature(f).parameters.items() if p.default is not inspect.Parameter.empty}
+    assert got == want and len(want) == 4, (got, want)
+    assert want[("spans", "b")] == "dict(x=1,\r\n                          y=[2, 3])"
