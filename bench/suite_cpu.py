@@ -11,7 +11,8 @@ child, a server and its stage processes, a gloo rank) is charged, by its user + 
 it. A child forked from a zygote (``omni_patches.testing.zygote``) keeps the zygote's start-up environment, so it
 is charged to the test that started its zygote (shown as ``zygote`` in the kind column). Processes that leave the
 tree (a daemon re-parented to init) are charged while they are seen in it; CPU a process spends in the last half
-second before it exits is lost. The wall time goes beside the CPU time: ``CPU / (wall x cores)`` is how busy
+second before it exits is lost; the whole machine's busy time (``/proc/stat``) is printed beside the charge, so
+what was missed shows. The wall time goes beside the CPU time: ``CPU / (wall x cores)`` is how busy
 the machine was, and ``CPU / cores`` the shortest wall time this much work allows. The pytest processes (the
 controller and xdist workers) are charged to no test.
 """
@@ -70,6 +71,15 @@ def _kind(cmd: str) -> str:
     return "python" if "python" in cmd else "other"
 
 
+def machine_cpu() -> float:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``: user, nice, system, irq,
+    softirq, steal), for what the per-process charge misses."""
+    with open("/proc/stat") as fh:
+        fields = fh.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / HZ
+
+
 def sample(root: int, seen: dict) -> None:
     """Update ``seen`` {(pid, start): [test, kind, cpu]} with ``root`` and every live descendant of it."""
     for pid in [root, *descendants(root)]:
@@ -91,13 +101,13 @@ def main() -> int:
     ap.add_argument("--json", help="also write every process's charge here")
     ap.add_argument("pytest_args", nargs="*", help="after --: passed to python -m pytest")
     args = ap.parse_args()
-    started = time.monotonic()
+    started, machine_before = time.monotonic(), machine_cpu()
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *args.pytest_args])
     seen: dict = {}
     while proc.poll() is None:
         sample(proc.pid, seen)
         time.sleep(0.5)
-    wall = time.monotonic() - started
+    wall, machine = time.monotonic() - started, machine_cpu() - machine_before
     by_file, by_kind, count = collections.Counter(), collections.Counter(), collections.Counter()
     for test, kind, cpu in seen.values():
         where = test.split("::")[0] if test else "(no test: workers, collection, session fixtures)"
@@ -109,6 +119,9 @@ def main() -> int:
     print(f"\n===== suite CPU: pytest exit {proc.returncode}, wall {wall / 60:.1f} min, {cores} cores")
     print(f"charged: {charged / 60:.1f} CPU-min; machine busy {100 * charged / (wall * cores):.0f}%; this work "
           f"needs >= {charged / cores / 60:.1f} min of wall time on {cores} cores")
+    print(f"the whole machine: {machine / 60:.1f} CPU-min busy ({100 * machine / (wall * cores):.0f}%); "
+          f"{max(machine - charged, 0) / 60:.1f} of them uncharged: processes that left the tree before they were "
+          f"seen (Ray's daemons and workers), CPU lost at exits, this sampler, anything else on the machine")
     print("by kind: " + ", ".join(f"{k} {v / 60:.1f}" for k, v in by_kind.most_common()))
     print("| CPU-min | processes | test file |\n|---:|---:|---|")
     for where, cpu in by_file.most_common(args.top):

@@ -1,4 +1,6 @@
 """The benchmarks keep running (smoke: `bench/run --quick`); their numbers are read by people, not asserted."""
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +50,12 @@ def test_suite_cpu_charges_a_childs_cpu_to_its_test_file(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = [ln.split("|")[3].strip() for ln in proc.stdout.splitlines() if ln.startswith("| ") and ln.endswith(" |")]
     assert "test_burn.py" in files, proc.stdout
-    import json
-
     records = json.loads((tmp_path / "c.json").read_text())
     burn = [r for r in records if r["test"] == "test_burn.py::test_burns_in_a_child"]
     assert len(burn) == 1 and burn[0]["kind"] == "python", records
     assert 1.4 <= burn[0]["cpu_s"] <= 3.0, burn
     assert not [r for r in records if r["test"].endswith("::test_idle")], records  # it started nothing
+    # The whole machine's busy time (/proc/stat) beside the charge: never less than what was charged.
+    charged = float(re.search(r"charged: ([\d.]+) CPU-min", proc.stdout).group(1))
+    machine = float(re.search(r"the whole machine: ([\d.]+) CPU-min busy", proc.stdout).group(1))
+    assert machine >= charged - 0.1, proc.stdout
