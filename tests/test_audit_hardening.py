@@ -256,7 +256,7 @@ def test_corrupted_shipped_registry_fails_the_audit(shim, tmp_path, capsys):
 
 
 # -- 10. code older than the bug is not affected, not drifted ---------------------------------------------------
-_tagless = wheels.tagless  # (tmp_path, dist, version, package, *edits): what `git archive <tag>` gives
+# Trees as `git archive <tag>` gives them: wheels.tagless.
 
 
 @pytest.mark.parametrize("version,verdict", [
@@ -266,7 +266,7 @@ _tagless = wheels.tagless  # (tmp_path, dist, version, package, *edits): what `g
     ("0.23.0", APPLY),
 ])
 def test_tagless_ascend_checkout_older_than_the_bug(tmp_path, capsys, version, verdict):
-    co = _tagless(tmp_path, "vllm-ascend", version, "vllm_ascend")
+    co = wheels.tagless(tmp_path, "vllm-ascend", version, "vllm_ascend")
     rc, got, out, _ = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
     st = got["ascend-moe-skip-idle-lora"]
     assert st["verdict"] == verdict and "decided by code features" in st["detail"], st
@@ -278,10 +278,10 @@ def test_tagless_ascend_checkout_older_than_the_bug(tmp_path, capsys, version, v
 def test_tagless_ascend_checkout_that_drifted_is_still_drifted(tmp_path, capsys):
     """Genuine drift stays drift: 0.23.0 whose runner method and fallback no longer match still has the
     MoE-LoRA context."""
-    co = _tagless(tmp_path, "vllm-ascend", "0.23.0", "vllm_ascend",
-                  ("ops/fused_moe/fused_moe.py", "def set_lora_context(", "def attach_lora_context("),
-                  ("ops/fused_moe/fused_moe_0_23_0.py", "def set_lora_context(", "def attach_lora_context("),
-                  ("ops/fused_moe/moe_mlp.py", "    lora_context=None,\n", "    lora_ctx=None,\n"))
+    co = wheels.tagless(tmp_path, "vllm-ascend", "0.23.0", "vllm_ascend",
+                        ("ops/fused_moe/fused_moe.py", "def set_lora_context(", "def attach_lora_context("),
+                        ("ops/fused_moe/fused_moe_0_23_0.py", "def set_lora_context(", "def attach_lora_context("),
+                        ("ops/fused_moe/moe_mlp.py", "    lora_context=None,\n", "    lora_ctx=None,\n"))
     rc, got, _, _ = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
     assert got["ascend-moe-skip-idle-lora"]["verdict"] == DRIFTED and rc == audit.EXIT_DRIFT
 
@@ -289,7 +289,7 @@ def test_tagless_ascend_checkout_that_drifted_is_still_drifted(tmp_path, capsys)
 @pytest.mark.parametrize("version,verdict", [("0.22.0", NOT_AFFECTED), ("0.31.0rc1", NOT_AFFECTED),
                                              ("0.32.0rc1", APPLY)])
 def test_tagless_omni_checkout_older_than_moe_lora(tmp_path, capsys, version, verdict):
-    co = _tagless(tmp_path, "vllm-omni", version, "vllm_omni")
+    co = wheels.tagless(tmp_path, "vllm-omni", version, "vllm_omni")
     rc, got, _, _ = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
     assert got["moe-lora-idle-detach"]["verdict"] == verdict, got["moe-lora-idle-detach"]
 
