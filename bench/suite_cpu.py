@@ -81,7 +81,7 @@ def machine_cpu() -> float:
 
 
 def sample(root: int, seen: dict) -> None:
-    """Update ``seen`` {(pid, start): [test, kind, cpu]} with ``root`` and every live descendant of it."""
+    """Update ``seen`` {(pid, start): [test, kind, cpu, command line]} with ``root`` and every live descendant."""
     for pid in [root, *descendants(root)]:
         got = _stat(pid)
         if got is None:
@@ -90,7 +90,7 @@ def sample(root: int, seen: dict) -> None:
         entry = seen.get((pid, start))
         if entry is None:
             test, cmd = _started_as(pid)
-            seen[(pid, start)] = [test, _kind(cmd), cpu]
+            seen[(pid, start)] = [test, _kind(cmd), cpu, cmd.rstrip()[:400]]
         else:
             entry[2] = cpu
 
@@ -98,7 +98,7 @@ def sample(root: int, seen: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--top", type=int, default=30, help="test files shown (default 30)")
-    ap.add_argument("--json", help="also write every process's charge here")
+    ap.add_argument("--json", help="also write every process's charge (and command line) here")
     ap.add_argument("pytest_args", nargs="*", help="after --: passed to python -m pytest")
     args = ap.parse_args()
     started, machine_before = time.monotonic(), machine_cpu()
@@ -109,7 +109,7 @@ def main() -> int:
         time.sleep(0.5)
     wall, machine = time.monotonic() - started, machine_cpu() - machine_before
     by_file, by_kind, count = collections.Counter(), collections.Counter(), collections.Counter()
-    for test, kind, cpu in seen.values():
+    for test, kind, cpu, _ in seen.values():
         where = test.split("::")[0] if test else "(no test: workers, collection, session fixtures)"
         by_file[where] += cpu
         by_kind[kind] += cpu
@@ -128,8 +128,8 @@ def main() -> int:
         print(f"| {cpu / 60:.2f} | {count[where]} | {where} |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump([{"pid": pid, "start": start, "test": t, "kind": k, "cpu_s": c}
-                       for (pid, start), (t, k, c) in seen.items()], fh)
+            json.dump([{"pid": pid, "start": start, "test": t, "kind": k, "cpu_s": c, "cmd": cmd}
+                       for (pid, start), (t, k, c, cmd) in seen.items()], fh)
     return proc.returncode
 
 
