@@ -27,13 +27,13 @@ def test_bench_run_quick_prints_the_summary_table():
     assert sum("over a do-nothing forwarder" in m for m in measures) == 3, summary
 
 
-BURN = '''
+BURN_CODE = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.0: pass"
+BURN = f'''
 import subprocess, sys
 
 def test_burns_in_a_child():
     # 2 s of CPU in a process of its own: charged to this test by the profiler
-    code = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 2.0: pass"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", {BURN_CODE!r}], check=True)
 
 def test_idle():
     pass
@@ -53,7 +53,7 @@ def test_suite_cpu_charges_a_childs_cpu_to_its_test_file(tmp_path):
     records = json.loads((tmp_path / "c.json").read_text())
     burn = [r for r in records if r["test"] == "test_burn.py::test_burns_in_a_child"]
     assert len(burn) == 1 and burn[0]["kind"] == "python", records
-    assert burn[0]["cmd"].endswith(" -c import time\nt = time.process_time()\nwhile time.process_time() - t < 2.0: pass")
+    assert burn[0]["cmd"].endswith(" -c " + BURN_CODE), burn
     assert 1.4 <= burn[0]["cpu_s"] <= 3.0, burn
     assert not [r for r in records if r["test"].endswith("::test_idle")], records  # it started nothing
     # The whole machine's busy time (/proc/stat) beside the charge: never less than what was charged.

@@ -48,7 +48,7 @@ def release_run(version: str, patched: bool) -> dict:
         w["params"]["worker_maps_moe_config"] = upstream_worker
         w["setup"] = [*activate, "patches.moe_ep_parallel_mapping.ep_numeric:install_standins"]
     starved = []
-    if patched and version in STARVED:  # CI's flake on purpose: rank 0 lags while building MC2 (one phase, the seed layout)
+    if patched and version in STARVED:  # CI's flake on purpose: rank 0 lags while building MC2 (the seed layout)
         phase = {k: v for k, v in sc.phases_for(r)[0].items() if k not in ("reinit", "pretend_ascend")}
         starved = [{"world_size": 8, "scenario": "patches.moe_ep_parallel_mapping.moe_ep_scenarios:phases_scenario",
                     "params": {"omni_version": version, "phases": [phase], "worker_maps_moe_config": False},
