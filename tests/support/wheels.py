@@ -242,6 +242,14 @@ def _uv_unused_entries(uv_cache: Path) -> list[Path]:
     return out
 
 
+def built_from(debris: str) -> str:
+    """The tree a build's leftover belongs to: ``X.part`` (``build_once``'s directory), ``X.old`` (the tree it
+    replaced), ``X.part.uv`` (:func:`_uv_target`'s scratch uv cache, next to ``X.part``) -> ``X``."""
+    while debris.endswith((".part", ".uv", ".old")):
+        debris = debris.rsplit(".", 1)[0]
+    return debris
+
+
 def clean_once() -> None:
     """Remove, once per process tree (children inherit :data:`CLEANED_ENV`), what older layouts of this cache left
     behind; only known names under ``CACHE``.
@@ -266,7 +274,7 @@ def clean_once() -> None:
             if old.is_dir() and not old.name.endswith(("-sdist", ".part")):
                 shutil.rmtree(old, ignore_errors=True)
         for debris in [*unpacked_dir.glob("*.part"), *unpacked_dir.glob("*.uv"), *unpacked_dir.glob("*.old")]:
-            if _free("unpack-" + debris.name.rsplit(".", 1)[0]):
+            if _free("unpack-" + built_from(debris.name)):
                 shutil.rmtree(debris, ignore_errors=True)
         for debris in dists.glob("*.part"):
             if _free(debris.name[:-len(".part")]):
