@@ -128,6 +128,9 @@ class StackRun:
                 out[f"{key}_lora"] = s.image(lora=lora)
                 out[f"{key}_procs"] = s.processes()
                 out[f"{key}_stage_pids"] = serving.stage_processes(s)
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # mostly waiting (the image deadline)
+                seqs = {key: pool.submit(sleep_then_wakeup, s) for key, s in (("stock", stock), ("shim", shim))}
+            out.update({f"{key}_sleep_wake": fut.result() for key, fut in seqs.items()})
             out["records"] = shim.records()
             status = shim.cli("status", "--all-processes", "--state-dir", str(shim.state_dir))
             out["status_text"] = status.stdout + status.stderr
@@ -201,6 +204,28 @@ class StackRun:
                 stops = {s.name: pool.submit(s.stop, grace=PROMPT_EXIT_S) for s in servers.values()}
             out["stopped"] = {name: fut.result() for name, fut in stops.items()}
         return out
+
+
+# -- a sleep that fails, then a wakeup, then an image: on a CPU server every sleep and wake fails ------------------
+SLEEP_WAKE = [("/v1/omni/sleep", {"stage_ids": [0], "level": 1}), ("/v1/omni/wakeup", {"stage_ids": [0]})]
+# How long an image request after them may take before it counts as unanswered (admission closed): a served image
+# takes < 1 s here.
+ADMISSION_DEADLINE_S = 10
+UNANSWERED = f"no answer within {ADMISSION_DEADLINE_S}s"
+
+
+def sleep_then_wakeup(server):
+    """The issue's sequence, in order: the two calls' status and body, then whether an image request is answered."""
+    steps = [server.post_json(path, body) for path, body in SLEEP_WAKE]
+    t0 = time.monotonic()
+    try:
+        server.image(timeout=ADMISSION_DEADLINE_S)
+        image = "image"
+    except serving.ServerFailed as exc:
+        image = f"failed: {str(exc)[:200]}"
+    except OSError:  # the socket's timeout (TimeoutError, or URLError wrapping it)
+        image = UNANSWERED
+    return {"steps": steps, "image": image, "image_s": round(time.monotonic() - t0, 1)}
 
 
 @pytest.fixture(scope="module", params=SUPPORTED)
@@ -452,3 +477,39 @@ def test_every_server_stopped_and_left_nothing_behind(run):
         assert stopped["remaining"] == [] and stopped["shm_left"] == [], (s.name, stopped)
         assert s.proc.poll() is not None, s.name
         assert not s.tmpdir.exists(), (s.name, "its temp directory (zmq IPC sockets) is left")
+
+
+# -- omni-diffusion-sleep-wake-errors in the real server: the same answers as upstream's fixed release ------------
+PATCHES_AFFECTED_SLEEP_WAKE = {"0.28.0", "0.30.0"}  # 0.28.0-0.30.0; fixed in 0.31.0rc1 (0.32.0rc1: the reference)
+
+
+def sleep_wake_answers(result):
+    """``[(status, message prefix), ...]`` of the two calls, then the image's outcome."""
+    out = []
+    for step in result["steps"]:
+        body = step["body"]
+        message = body.get("error", {}).get("message", "") if isinstance(body, dict) else str(body)
+        out.append((step["status"], message.partition(": ")[0] if step["status"] >= 400 else body.get("status")))
+    return [*out, result["image"]]
+
+
+# On a CPU server the wake fails as the sleep did (no cumem allocator): upstream's fixed release answers both with
+# a 500 naming the failure and keeps admission closed (the stage is on record as asleep), as the stage would be.
+FIXED_ANSWERS = [(500, "Failed to sleep"), (500, "Failed to wake up"), UNANSWERED]
+
+
+def test_failed_sleep_then_wakeup_answers_as_the_fixed_release(run):
+    r = run.phase("replicated")
+    shim, stock = r["shim_sleep_wake"], r["stock_sleep_wake"]
+    assert sleep_wake_answers(shim) == FIXED_ANSWERS, shim
+    for step, call in zip(shim["steps"], ("handle_sleep_task", "handle_wake_task")):
+        assert f"{call} failed: " in step["body"]["error"]["message"], step  # the stages' own error, named
+    if run.omni in PATCHES_AFFECTED_SLEEP_WAKE:
+        # stock: every ERROR ACK answered as SUCCESS, the stage taken as awake, images served on
+        assert sleep_wake_answers(stock) == [(200, "SUCCESS"), (200, "SUCCESS"), "image"], stock
+        assert {a["status"] for a in stock["steps"][0]["body"]["acks"]} == {"ERROR"}
+        api_server = applied_record(r["records"], "omni-diffusion-sleep-wake-errors")
+        reason = api_server["patches"]["omni-diffusion-sleep-wake-errors"]["reason"]
+        assert "/v1/omni/sleep: 1 failure(s)" in reason and "/v1/omni/wakeup: 1 failure(s)" in reason, reason
+    else:  # upstream's fixed release: the patch skips, stock is the reference itself
+        assert sleep_wake_answers(stock) == FIXED_ANSWERS, stock

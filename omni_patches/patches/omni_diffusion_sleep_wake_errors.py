@@ -14,11 +14,12 @@ Affected:    vllm-omni >=0.28.0,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc
              keep no per-stage sleep record (not covered; an untagged build of them is drifted, with that
              reason); 0.18.0 and older have no ACK protocol: "not affected".
 How:         AsyncOmni._sleep_diffusion / _wake_diffusion are wrapped (wrapt); the stock methods run
-             unchanged and their ACKs are read as 0.31.0rc1 reads them. On an error _sleep_diffusion records
-             its stages asleep (level 2: only if a replica finished) and raises; _wake_diffusion wakes one
-             stage at a time and raises at the first failure, so stock wake_up stops before it clears the
-             rest and reopens admission. sleep / wake_up are wrapped to record (sleep) or clear (wake_up) the
-             AR stages on that failure, as 0.31.0rc1 does. Details: docs/patches.md.
+             unchanged and their ACKs are read as 0.31.0rc1 reads them (raise; what failed stays on record, so
+             wake_up still reaches it; sleep / wake_up record or clear the AR stages on that failure). The API
+             server's POST /v1/omni/sleep and /v1/omni/wakeup route endpoints are wrapped as 0.31.0rc1 writes
+             them: a failure is a 500 "Failed to sleep: ..." / "Failed to wake up: ...", a failed sleep still
+             lists the stages it left on record (else wakeup answers SKIPPED and admission stays closed), and
+             an empty stage_ids or a negative level is a 400. Details: docs/patches.md.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
 import contextvars
@@ -35,7 +36,14 @@ _NEEDS = ("sleep", "wake_up", "_sleep_diffusion", "_wake_diffusion", "_split_sta
 _CALL = contextvars.ContextVar("omni_patches_sleep_wake_call", default=None)
 
 
+API_SERVER = "vllm_omni.entrypoints.openai.api_server"
+# route path -> the module-level handler its route was made from
+_ROUTES = {"/v1/omni/sleep": "omni_sleep", "/v1/omni/wakeup": "omni_wakeup"}
+
+
 def check(ctx):
+    if ctx.target == API_SERVER:
+        return _check_api(ctx)
     if ctx.has("AsyncOmni._raise_on_diffusion_errors") or ctx.has("AsyncOmni._diffusion_ack_error"):
         ctx.fixed_upstream("AsyncOmni raises on failed diffusion ACKs (_raise_on_diffusion_errors, 0.31.0rc1+)")
     _older_layouts(ctx)
@@ -74,6 +82,8 @@ def _older_layouts(ctx):
 
 
 def apply(ctx):
+    if ctx.target == API_SERVER:
+        return _apply_api(ctx)
     ctx.wrap("AsyncOmni", "_sleep_diffusion", functools.partial(_sleep_diffusion, ctx.run))
     ctx.wrap("AsyncOmni", "_wake_diffusion", functools.partial(_wake_diffusion, ctx.run))
     ctx.wrap("AsyncOmni", "sleep", _sleep)
@@ -236,5 +246,120 @@ def _report(run, kind, error):
         run.note(f"{kind}: {n} diffusion failure(s) raised instead of reported as success", key=kind)
         if n == 1:
             _LOG.warning("%s: %s (stock would have returned it as a success)", PATCH_ID, error)
+    except Exception:
+        pass
+
+
+# -- the API server's /v1/omni/sleep and /v1/omni/wakeup: what 0.31.0rc1's handlers add -------------------------
+def _check_api(ctx):
+    sleep, wakeup = ctx.resolve("omni_sleep"), ctx.resolve("omni_wakeup")
+    if "Failed to sleep: " in getattr(getattr(sleep, "__code__", None), "co_consts", ()):
+        ctx.fixed_upstream("omni_sleep maps a failed sleep to 'Failed to sleep: ...' itself (0.31.0rc1+)")
+    for func in (sleep, wakeup):
+        ctx.require_params(func, "request", "raw_request")
+    for func, calls in ((sleep, {"sleep", "sleeping_stages"}), (wakeup, {"wake_up", "sleeping_stages"})):
+        if not calls <= set(getattr(getattr(func, "__code__", None), "co_names", ())):
+            ctx.drift(f"{func.__name__} no longer calls the engine's {sorted(calls)[0]} itself or keeps "
+                      "app.state.sleeping_stages")
+    ctx.resolve("HTTPException")
+    ctx.describe("api_server omni_sleep / omni_wakeup: engine errors unmapped, a failed sleep left out of "
+                 "app.state.sleeping_stages (0.28.0-0.30.0 layout)")
+
+
+def _apply_api(ctx):
+    """Wrap the endpoints of the router's two routes: FastAPI copies ``route.endpoint`` into the app when the server
+    starts (``app.include_router``), after this import; the module-level functions are not what it calls."""
+    routes = getattr(ctx.resolve("router"), "routes", None)
+    if not isinstance(routes, list):
+        if ctx.dry_run:  # an audit's skeleton of the file: no live router to look into
+            return ctx.describe("routes not inspected (no live router in a dry run of the file's shape)")
+        ctx.drift("api_server.router has no list of routes")
+    found = {}
+    for route in routes:
+        name = _ROUTES.get(getattr(route, "path", None))
+        if name and "POST" in (getattr(route, "methods", None) or ()) \
+                and getattr(route, "endpoint", None) is ctx.resolve(name):
+            found[name] = route
+    missing = sorted(set(_ROUTES.values()) - set(found))
+    if missing:
+        ctx.drift(f"api_server.router has no POST route to {', '.join(missing)}")
+    http_error = ctx.resolve("HTTPException")
+    ctx.wrap(found["omni_sleep"], "endpoint", functools.partial(_omni_sleep, ctx.run, http_error))
+    ctx.wrap(found["omni_wakeup"], "endpoint", functools.partial(_omni_wakeup, ctx.run, http_error))
+
+
+_API_UNKNOWN = "an omni sleep / wakeup request or app state of a shape the wrapper was not built for"
+
+
+def _api_call(args, kwargs):
+    """``(request, raw_request, app.state)`` of a handler call, or None when it is not what 0.28.0-0.30.0 pass."""
+    request, raw = _arg(args, kwargs, 0, "request"), _arg(args, kwargs, 1, "raw_request")
+    state = getattr(getattr(raw, "app", None), "state", None)
+    if not isinstance(getattr(request, "stage_ids", None), list) or state is None \
+            or not isinstance(getattr(state, "sleeping_stages", None), set):
+        return None
+    return request, raw, state
+
+
+def _validate(request):
+    """0.31.0rc1's request models: ``stage_ids`` with at least one item, ``level`` >= 0 -- a 400 (FastAPI's
+    RequestValidationError, answered by the server's own handler) before anything is paused."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import Field, ValidationError, create_model
+
+    fields = {"stage_ids": (list[int], Field(..., min_length=1))}
+    if "level" in type(request).model_fields:
+        fields["level"] = (int, Field(default=2, ge=0))
+    strict = create_model(type(request).__name__, __base__=type(request), **fields)
+    try:
+        strict.model_validate(request.model_dump())
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors, body=request.model_dump()) from None
+
+
+async def _omni_sleep(run, http_error, wrapped, instance, args, kwargs):
+    call = _api_call(args, kwargs)
+    recorded = getattr(getattr(call[2], "engine_client", None), "_sleeping_tags_for_stages", None) if call else None
+    if call is None or not callable(recorded) or not hasattr(type(call[0]), "model_fields"):
+        return await run.stock(_API_UNKNOWN, wrapped, args, kwargs)
+    request, _, state = call
+    _validate(request)
+    sleeping, before, precheck = state.sleeping_stages, set(state.sleeping_stages), False
+    try:
+        return await wrapped(*args, **kwargs)
+    except http_error:  # the handler's own checks (501, worker topology): raised before any sleep RPC
+        precheck = True
+        raise
+    except RuntimeError as exc:
+        _api_note(run, "sleep")
+        raise http_error(status_code=500, detail=f"Failed to sleep: {exc}") from exc
+    finally:
+        if not precheck:  # 0.31.0rc1: the stages the engine has on record, whatever the sleep did
+            for sid in request.stage_ids:
+                if recorded([sid]):
+                    sleeping.add(sid)
+                elif sid not in before:  # stock lists every requested stage after a return
+                    sleeping.discard(sid)
+
+
+async def _omni_wakeup(run, http_error, wrapped, instance, args, kwargs):
+    call = _api_call(args, kwargs)
+    if call is None or not hasattr(type(call[0]), "model_fields"):
+        return await run.stock(_API_UNKNOWN, wrapped, args, kwargs)
+    _validate(call[0])
+    try:
+        return await wrapped(*args, **kwargs)
+    except NotImplementedError:
+        raise
+    except RuntimeError as exc:
+        _api_note(run, "wakeup")
+        raise http_error(status_code=500, detail=f"Failed to wake up: {exc}") from exc
+
+
+def _api_note(run, kind):
+    try:
+        run.note(f"/v1/omni/{kind}: {run.count('api-' + kind)} failure(s) answered 500 as 0.31.0rc1 does",
+                 key="api-" + kind)
     except Exception:
         pass

@@ -350,6 +350,20 @@ class Server:
         self.processes()
         return base64.b64decode(doc["data"][0]["b64_json"])
 
+    def post_json(self, path: str, body: dict, *, timeout: float = 120) -> dict:
+        """``{"status": HTTP status, "body": parsed JSON (or text)}`` of one POST, error statuses included."""
+        req = urllib.request.Request(self.url(path), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        try:
+            return {"status": status, "body": json.loads(raw)}
+        except ValueError:
+            return {"status": status, "body": raw.decode(errors="replace")[:2000]}
+
     def processes(self) -> dict[int, list[str]]:
         """Live processes of this server: its session (start_new_session) plus descendants that left it."""
         if self.proc is None:
