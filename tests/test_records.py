@@ -1,4 +1,5 @@
-"""One record per patch: the module docstring is the source of its prose, patches.toml holds the machine keys."""
+"""One record per patch: the module docstring is the source of its prose, patches.toml holds the machine keys, and
+docs/patches.md only what the record does not say."""
 import importlib
 import json
 import logging
@@ -81,6 +82,95 @@ def test_record_fits_a_screenful(pid):
     assert -1 not in starts and starts == sorted(starts), f"{spec.module}: fields missing or out of order {starts}"
     anchor = f"## `{pid}`"
     assert anchor in DOCS.read_text(), f"docs/patches.md lacks the section {anchor!r} the record's long form goes to"
+
+
+# -- docs/patches.md keeps only what is not in the record ----------------------------------------------------------
+GRAM = 4  # words per shingle: long enough that shared technical terms are not a restatement
+SENTENCE_SHARE = 0.5  # a sentence with half its shingles in the record restates it
+WHY_SHARE = 0.2  # a section holding a fifth of the Why field's shingles retells it, sentence by sentence or not
+
+
+def _words(text):
+    """Lower-case words of markdown or RST prose: markup, punctuation and line breaks do not count."""
+    text = re.sub(r"https?://\S+", " ", text.lower())
+    return [w.strip(".-") for w in re.findall(r"[\w.·+<>=≥-]+", text) if w.strip(".-")]
+
+
+def _grams(words):
+    return {tuple(words[i:i + GRAM]) for i in range(len(words) - GRAM + 1)}
+
+
+def _sections(text):
+    parts = re.split(r"^## `([a-z0-9-]+)`[ \t]*$", text, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def _range_patterns(spec):
+    """How an affected range is written: the specifier, ``dist ≥X``, ``dist X–Y``, ``fixed (upstream) in [dist] V``."""
+    for dist, specifier in spec.requires.items():
+        yield re.escape(specifier.replace(" ", ""))
+        name = r"\b" + re.escape(dist) + r"(?![\w-])"
+        for lower in re.findall(r">=\s*([^,\s]+)", specifier):
+            yield name + r"\s*(?:≥|>=)\s*" + re.escape(lower)
+            yield name + r"\s+" + re.escape(lower) + r"\s*(?:–|—|-|to)\s*\d"
+    for dist, version in spec.fixed_in.items():
+        yield r"fixed (?:upstream )?in (?:" + re.escape(dist) + r" )?" + re.escape(version) + r"(?![\w.])"
+
+
+def restatements(spec, section, rec=None):
+    """What ``section`` (its text in docs/patches.md) repeats of ``spec``'s record: [] when nothing."""
+    rec = rec or spec.prose()
+    found = [f"upstream link {u}" for u in rec["upstream"] if u in section]
+    flat = re.sub(r"\s+", "", section)  # a specifier written with spaces
+    found += [f"affected range ({m.group(0)!r})" for p in _range_patterns(spec)
+              for m in [re.search(p, section, re.I) or re.search(p, flat, re.I)] if m]
+    words = " ".join(_words(section))
+    found += [f"its {key}: {rec[key]!r}" for key in ("summary", "remove_when") if " ".join(_words(rec[key])) in words]
+    why = _grams(_words(rec["why"]))
+    share = len(why & _grams(_words(section))) / max(1, len(why))
+    if share >= WHY_SHARE:
+        found.append(f"{share:.0%} of its Why field")
+    record = _grams(_words(" ".join(rec[k] for k in ("summary", "why", "affected", "how", "remove_when"))))
+    for sentence in re.split(r"(?<=[.:;!?)])\s+(?=[A-Z*`(])|\n\s*\n|\n- ", section):
+        grams = _grams(_words(sentence))
+        if len(grams) >= 3 and len(grams & record) / len(grams) >= SENTENCE_SHARE:
+            found.append(f"the sentence {' '.join(sentence.split())[:100]!r}")
+    return found
+
+
+@pytest.mark.parametrize("pid", sorted(SPECS))
+def test_docs_section_does_not_restate_the_record(pid):
+    """docs/patches.md keeps how a patch is tested, findings and measurements; what it fixes, its upstream links,
+    affected range, how and when to remove it are the record's (shown by `omni-patches list --json`)."""
+    section = _sections(DOCS.read_text())[pid]
+    found = restatements(SPECS[pid], section)
+    assert not found, f"docs/patches.md, section `{pid}`, restates its record ({SPECS[pid].module}): {found}"
+
+
+def _reflowed(text, width=70):
+    """The record's text as a doc writer would paste it: markdown code spans, other line breaks."""
+    return textwrap.fill(text.replace("``", "`"), width)
+
+
+@pytest.mark.parametrize("pid", sorted(SPECS))
+def test_the_restatement_check_sees_pasted_record_text(pid):
+    """The check is not a string equality: reflowed, re-marked-up record text is caught, field by field."""
+    spec = SPECS[pid]
+    rec = spec.prose()
+    section = _sections(DOCS.read_text())[pid]
+    dist, specifier = next(iter(spec.requires.items()))
+    lower = re.search(r">=\s*([^,\s]+)", specifier).group(1)
+    pasted = {
+        "why": _reflowed(rec["why"]),
+        "remove when": f"Remove it when {_reflowed(rec['remove_when'])}",
+        "affected line": f"*{dist} ≥{lower}.*",
+        "affected range": f"*{dist} {lower}–0.99.x, on every platform.*",
+        "specifier": f"Affected: `{dist} {specifier}`.",
+        "link": f"Upstream: <{rec['upstream'][0]}>.",
+        "summary": f"The patch will {rec['summary']}.",
+    }
+    for what, text in pasted.items():
+        assert restatements(spec, section + "\n" + text + "\n"), f"{what} pasted into `{pid}` went unseen: {text!r}"
 
 
 # -- the reader: docstrings as the compiler sees them, without importing -------------------------------------------
