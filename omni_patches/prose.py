@@ -105,7 +105,7 @@ def parse(pid, doc):
     lines = (doc or "").expandtabs().split("\n")
     head, _, summary = lines[0].partition(":")
     summary = summary.strip()
-    if head.strip() != pid or not summary:
+    if head != pid or not summary:  # the id opens the docstring, as opens_record() sees it
         return None
     body = [ln for ln in lines[1:] if ln.strip()]
     indent = min((len(ln) - len(ln.lstrip()) for ln in body), default=0)

@@ -190,6 +190,9 @@ READER_CASES = {
     "f-string": 'f"""p-x: fix it"""\n',
     "empty summary": '"""p-x:\n\nWhy: because"""\n',
     "other id": '"""p-y: fix it"""\n',
+    "indented id": '""" p-x: fix it"""\n',
+    "quotes only after the id": '"""p-x: """\n',
+    "crlf": '"""p-x: fix it\r\n\r\nWhy: because\r\n"""\r\n',
     "empty file": "",
 }
 
