@@ -35,7 +35,10 @@ def test_registry_is_valid():
 def test_patches_toml_holds_only_machine_keys():
     """The prose is the record's: not one prose key in the shipped registry (an overlay may give them only for a
     module without a record)."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
 
     with open(registry.builtin_path(), "rb") as fh:
         entries = tomllib.load(fh)["patch"]
