@@ -386,16 +386,19 @@ def registry_markdown(reg=None):
 
 
 def cmd_list(args):
-    from . import registry
+    from . import prose, registry
 
     reg = registry.load()
+    bad = prose.problems(reg.specs.values())  # a patch without its prose (no record), or with it twice
+    for problem in bad:
+        print(f"registry error: {problem}", file=sys.stderr)
     if args.json:
         json.dump([{k: getattr(s, k) for k in registry.KEYS} | {"env": flags.env_name(s.id)}
                    for s in reg.specs.values()], sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(registry_markdown(reg))
-    return 1 if reg.errors else 0
+    return 1 if reg.errors or bad else 0
 
 
 def _main(argv=None):

@@ -6,12 +6,14 @@ import re
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from . import flags, versions
+from . import flags, prose, versions
 from .states import Cause, State
 
 
 def check_spec(spec):
-    """Problems ``registry`` cannot see without ``packaging``: bad specifiers and versions. '' when fine."""
+    """Problems ``registry`` cannot see without ``packaging`` or the module's source: bad specifiers and versions,
+    a module that cannot be found, prose missing or given twice (:func:`omni_patches.prose.problem`). '' when
+    fine."""
     problems = []  # (keys, text): each problem names the file that set its key (an overlay, not the shipped file)
     for key in ("requires", "fixed_in"):
         for dist, text in getattr(spec, key).items():
@@ -20,15 +22,17 @@ def check_spec(spec):
             except (InvalidSpecifier, InvalidVersion) as exc:
                 problems.append(((key,), f"key {key!r}: {dist}: {exc}"))
     try:
-        found = importlib.util.find_spec(spec.module) is not None
+        found = importlib.util.find_spec(spec.module)
     except (ImportError, ValueError):
-        found = False
-    if not found:
+        found = None
+    if found is None:
         problems.append((("module",), f"key 'module': cannot find module {spec.module!r}"))
+    else:  # its prose: the record opening the module's source (first bytes only), or an overlay's table
+        problems.append(prose.problem(spec, found))
     unknown = set(spec.fixed_in) - set(spec.requires)
     if unknown:
         problems.append((("fixed_in", "requires"), f"key 'fixed_in' names {sorted(unknown)} which 'requires' does not"))
-    return "; ".join(f"{spec.where(*keys)}: patch {spec.id!r}: {p}" for keys, p in problems)
+    return "; ".join(f"{spec.where(*keys)}: patch {spec.id!r}: {p}" for keys, p in filter(None, problems))
 
 
 def in_range(specifier, version):

@@ -20,7 +20,9 @@ def _is_dotted(value):
 # key -> (python type, required for a new entry)
 KEYS = {
     "id": (str, True),
-    "summary": (str, True),
+    # Prose (omni_patches.prose.KEYS): read from the module's record, never from patches.toml; only an overlay
+    # whose module has no record gives them here (then "summary" is required: checked with the gates).
+    "summary": (str, False),
     "upstream": (list, False),
     "why": (str, False),
     "remove_when": (str, False),
@@ -41,15 +43,16 @@ SOURCE_BUILDS = ("features", "version")
 class PatchSpec:
     """One registry entry. ``error`` is None for a valid entry, else the message that makes it ``failed``."""
 
-    __slots__ = ("id", "summary", "upstream", "why", "remove_when", "default", "requires", "fixed_in",
-                 "targets", "module", "source_builds", "needs", "source", "key_sources", "error")
+    __slots__ = ("id", "default", "requires", "fixed_in", "targets", "module", "source_builds", "needs", "source",
+                 "key_sources", "error", "toml_prose", "_prose")
 
     def __init__(self, id, source):
         self.id = id
         self.source = source  # the file that declared the patch
         self.key_sources = {}  # key -> the file that set it last (an overlay may change a shipped entry)
-        self.summary = self.why = self.remove_when = self.module = ""
-        self.upstream = []
+        self.module = ""
+        self.toml_prose = {}  # prose keys an overlay's table gave (its module has no record)
+        self._prose = None
         self.default = True
         self.requires = {}
         self.fixed_in = {}
@@ -57,6 +60,27 @@ class PatchSpec:
         self.source_builds = "features"
         self.needs = []
         self.error = None
+
+    def prose(self):
+        """``summary``, ``upstream``, ``why``, ``remove_when`` (and ``affected``, ``how``), read on first use from
+        the module's record without importing it (:mod:`omni_patches.prose`); never at start-up."""
+        if self._prose is None:
+            from . import prose
+
+            self._prose = prose.of(self)
+        return self._prose
+
+    def _set_prose(key):  # noqa: N805 - builds the setters below
+        def setter(self, value):
+            self.toml_prose[key] = value
+            self._prose = None
+        return setter
+
+    summary = property(lambda self: self.prose()["summary"], _set_prose("summary"))
+    upstream = property(lambda self: self.prose()["upstream"], _set_prose("upstream"))
+    why = property(lambda self: self.prose()["why"], _set_prose("why"))
+    remove_when = property(lambda self: self.prose()["remove_when"], _set_prose("remove_when"))
+    del _set_prose
 
     def where(self, *keys):
         """The file(s) that set ``keys`` (the declaring file for keys never set): what a message must name."""

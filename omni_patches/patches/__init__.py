@@ -1,18 +1,22 @@
 """One module per patch. Each opens with its record and defines ``apply(ctx)`` (and optionally ``check(ctx)``).
 
-Record (the module docstring; ``tests/test_records.py`` checks it mirrors ``patches.toml`` and fits a screenful:
-at most 25 lines, these fields in this order)::
+Record: the module docstring, the one source of the patch's prose. ``patches.toml`` holds only the machine keys;
+the registry reads ``summary`` (the first line), ``upstream`` (the URLs of ``Upstream:``), ``why`` and
+``remove_when`` from here, parsing the source without importing it (:mod:`omni_patches.prose`), for ``omni-patches
+list`` (the README table), ``status`` and ``doctor``. ``tests/test_records.py`` checks the Affected line against
+``requires`` / ``fixed_in`` and that it fits a screenful: at most 25 lines, these fields in this order, each label at
+the start of a line and its continuation lines indented::
 
     <patch-id>: <one-line summary>
 
     Why:         the bug and its symptom, in 2-4 lines
-    Upstream:    PR / issue URLs (every URL of the registry's ``upstream`` list)
-    Affected:    <dist> <specifier> (the registry's ``requires``); fixed upstream in <dist> <version>
+    Upstream:    PR / issue URLs (they are the patch's ``upstream`` list: other references without a URL)
+    Affected:    <dist> <specifier> (patches.toml's ``requires``); fixed upstream in <dist> <version> (its ``fixed_in``)
     How:         the mechanism in a few lines: what is wrapped, and why this technique
     Remove when: the condition under which the patch can be deleted
 
-Measurements, layouts per version, detailed reasoning and how the patch is tested go to its ``## `<patch-id>```
-section in ``docs/patches.md``.
+Measurements, layouts per version, findings and how the patch is tested go to its ``## `<patch-id>``` section in
+``docs/patches.md``, which never restates the record (``tests/test_records.py`` checks).
 
 Contract with the engine (:mod:`omni_patches.context`):
 

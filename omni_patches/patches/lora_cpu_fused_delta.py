@@ -5,8 +5,8 @@ Why:         on CPU the stock loader materialises ``delta = B @ A`` (a full weig
              in place and rounds once, with the kernel that is fastest on the CPU it runs on (measured in
              docs/patches.md). Opt-in: it changes how the weights are rounded (more accurately, but not
              bit-identically to stock).
-Upstream:    https://github.com/vllm-project/vllm-omni (no upstream PR: an optimisation beyond the seed fix
-             https://github.com/vllm-project/vllm-omni/pull/7590, which only moves the matmul to an accelerator)
+Upstream:    https://github.com/vllm-project/vllm-omni (no upstream PR: an optimisation beyond the seed fix,
+             vllm-omni #7590 of ``lora-accel-delta``, which only moves the matmul to an accelerator)
 Affected:    vllm-omni >=0.27.0rc1 (every loader version; on 0.30.0rc1+ only upstream's CPU branch changes)
 How:         the ``LoraLoaderMixin`` load/unload classmethods are wrapped to open a per-call context; the module
              global ``_prepare_lora_delta`` is replaced so that, for a CPU parameter whose delta would be

@@ -1,4 +1,4 @@
-"""vllm-moe-lora-stale-token-ids: skip the fused MoE-LoRA kernel for a batch without LoRA tokens (stale ids)
+"""vllm-moe-lora-stale-token-ids: skip vLLM's fused MoE-LoRA kernel for a batch without LoRA tokens instead of feeding it stale adapter ids
 
 Why:         vLLM's ``LoRAKernelMeta.prepare_tensors`` returns early for a batch in which no token uses an
              adapter: it sets ``no_lora_flag_cpu`` but leaves ``token_lora_mapping`` as the previous batch
