@@ -140,7 +140,18 @@ def record(spec, found=None):
     """The fields of ``spec``'s record, read from its module's source, or None (no record, no source)."""
     found = found or find(spec.module)
     text = source(found) if found is not None else None
-    return parse(spec.id, docstring(text)) if text is not None else None
+    if text is not None:
+        return parse(spec.id, docstring(text))
+    if found is None:
+        return None
+    # A sourceless install (bytecode only): the compiled module's own docstring, imported (a patch module imports
+    # the standard library only at its top; this runs for list / status / doctor, never at start-up).
+    import importlib
+
+    try:
+        return parse(spec.id, importlib.import_module(spec.module).__doc__)
+    except Exception:
+        return None
 
 
 def of(spec):
@@ -158,14 +169,15 @@ def problem(spec, found):
     """``(keys, text)``: why ``spec``'s prose is not in exactly one place, or None. ``found`` is its module's
     spec (:func:`find`); only the first bytes of the source are looked at (see :func:`opens_record`)."""
     text = source(found) if found is not None else None
+    if text is None and "summary" not in spec.toml_prose:
+        return None  # a sourceless install: nothing to check here, and no reason to run the host unpatched
     has = text is not None and opens_record(spec.id, text)
     given = [k for k in KEYS if k in spec.toml_prose]
     if has and given:
         return (tuple(given), f"key(s) {', '.join(map(repr, given))}: module {spec.module!r} opens with its record, "
                               "the one source of a patch's prose: remove them from the table")
     if not has and "summary" not in spec.toml_prose:
-        where = "has no record" if text is not None else "has no source to read a record from"
-        return (("module",), f"module {spec.module!r} {where} (a docstring opening '{spec.id}: <summary>', "
+        return (("module",), f"module {spec.module!r} has no record (a docstring opening '{spec.id}: <summary>', "
                              "fields as in omni_patches/patches/__init__.py) and the entry gives no 'summary'")
     return None
 

@@ -365,3 +365,22 @@ def test_an_overlay_may_change_a_shipped_entry_without_prose(shim):
     omni_patches.activate()
     st = shim.status()["fake-double"]
     assert st.state == "skipped:disabled" and st.summary == "doubles compute, from a record"
+
+
+def test_a_sourceless_install_applies_and_lists_its_record(shim, capsys):
+    """An image that ships bytecode only (``compileall -b``, the ``.py`` removed): no source to read the record
+    from. The patch still applies (a missing source is no reason to run the host unpatched) and ``list`` reads the
+    record from the compiled module's docstring."""
+    import py_compile
+
+    shim.omni()
+    src = shim.site / "recorded_fix.py"
+    src.write_text(RECORDED)
+    py_compile.compile(str(src), cfile=str(shim.site / "recorded_fix.pyc"), doraise=True)
+    src.unlink()
+    _on(shim, _machine(module="recorded_fix"))
+    import fakeomni.loader
+
+    assert fakeomni.loader.compute(3) == 6 and shim.status()["fake-double"].state == "applied"
+    code, listed, err = _listed(capsys)
+    assert code == 0 and not err and listed["fake-double"]["summary"] == "doubles compute, from a record"
