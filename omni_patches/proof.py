@@ -43,6 +43,7 @@ import os
 import sys
 import time
 
+from ._version import __version__
 from .states import State
 
 INSTANCE = "OMNI_PATCHES_INSTANCE"
@@ -263,8 +264,6 @@ def record():
         pgid, sid = os.getpgid(0), os.getsid(0)
     except OSError:  # pragma: no cover
         pgid = sid = None
-    from . import __version__
-
     start = start_time(pid)
     info = ray_info()
     rec = {"pid": pid, "ppid": os.getppid(), "pgid": pgid, "sid": sid, "start": start,
@@ -464,8 +463,6 @@ def started():
 
 
 def _inactive_record():
-    from . import __version__
-
     pid = os.getpid()
     start = start_time(pid)
     info = ray_info()
