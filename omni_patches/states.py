@@ -44,7 +44,8 @@ class Cause(_Word):
 
 
 STATES = tuple(State)
-# A needed patch in one of these leaves the patch that needs it correct (see reports.needed_problem).
+# The code has no bug to fix: a skip for these is news, not a problem (logged at INFO, audit's "skip: ..." verdicts),
+# and a needed patch skipped for one leaves the patch that needs it correct (needs.needed_problem).
 HARMLESS_CAUSES = (Cause.FIXED_UPSTREAM, Cause.NOT_AFFECTED)
 
 

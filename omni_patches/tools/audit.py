@@ -530,10 +530,10 @@ def run(dists, reg=None):
 
 
 def _dry_run(spec, decision, enabled, imports, notes):
-    """The engine's own dry run (:func:`omni_patches.engine.check_target`) on each target's skeleton."""
+    """The engine's own dry run (:func:`omni_patches.applying.check_target`) on each target's skeleton."""
     import importlib
 
-    from .. import engine
+    from .. import applying
     from ..states import Cause, State
     from . import skeleton
 
@@ -551,7 +551,7 @@ def _dry_run(spec, decision, enabled, imports, notes):
             return Result(spec.id, enabled, FAILED,
                           f"cannot build the skeleton of {target}: {type(exc).__name__}: {exc}", notes)
         skeleton.consulted.clear()  # only what the patch itself looks at
-        rt = engine.check_target(spec, decision, target, module)
+        rt = applying.check_target(spec, decision, target, module)
         external |= skeleton.consulted
         if rt.state is not State.READY:
             verdict = {Cause.FIXED_UPSTREAM: FIXED, Cause.NOT_AFFECTED: NOT_AFFECTED}.get(
