@@ -126,18 +126,59 @@ def report_outcome(spec, target, rt, outcome):
                            f"{spec.module})", exc)
 
 
-def check_target(spec, decision, target, module):
-    """Dry-run ``spec``'s checks on an imported ``module`` (``doctor``, ``omni-patches audit``): nothing is
-    wrapped, nothing logged, no activation's records touched. Returns a fresh :class:`~omni_patches.runs.PatchRun`
-    whose state is ``ready`` when the patch would apply there, else drifted / failed / skipped:version with its
-    reason and cause; ``found`` lists what the patch recognised."""
+# -- dry runs ----------------------------------------------------------------------------------------------
+class Absent(Exception):
+    """Raised by a dry run's ``load``: the target is not there to check (not importable here, not in the given
+    files): skipped, as it would be at run time; the message says why, when there is more to say."""
+
+
+class LoadFailed(Exception):
+    """Raised by a dry run's ``load``: the target is there but cannot be loaded (its message says why): the dry
+    run stops, ``failed``."""
+
+
+class DryRun:
+    """What :func:`dry_run` found for one patch.
+
+    ``state``: ``ready`` when every target that could be loaded passed its checks (``checked``: when it is empty
+    nothing was checked, and each caller says what that means), else the state of the first one that did not
+    (drifted / failed / skipped:version) with ``target``, ``reason`` (what ``status`` would say), ``cause`` and
+    ``words`` (the patch's own text, or why the target could not be loaded). ``absent``: ``[(target, why)]`` of
+    the targets that are not there; ``found``: what the patch recognised (``ctx.describe``).
+    """
+
+    __slots__ = ("state", "reason", "cause", "words", "target", "checked", "absent", "found")
+
+    def __init__(self, state):
+        self.state, self.reason, self.cause, self.words, self.target = state, "", None, "", None
+        self.checked, self.absent, self.found = [], [], []
+
+
+def dry_run(spec, decision, load):
+    """Dry-run ``spec``'s ``check`` and ``apply`` on each of its targets as ``load(target)`` gives it (the imported
+    module; :class:`Absent` or :class:`LoadFailed` when it cannot): nothing is wrapped, nothing logged, no
+    activation's records touched. ``decision``: the gate's (pending). ``doctor`` loads by importing, ``omni-patches
+    audit`` builds skeletons from release files: both judge a patch by this one run."""
     from .runs import PatchRun
     from .states import State
 
-    rt = PatchRun(spec.id, decision)
-    _, outcome = attempt(spec, target, module, rt, dry_run=True)  # a dry run installs nothing
-    if outcome is None:
-        rt.set(State.READY, "")
-    else:
-        rt.set(outcome.state, outcome.reason, outcome.cause)
-    return rt
+    out = DryRun(State.READY)
+    for target in spec.targets:
+        try:
+            module = load(target)
+        except Absent as exc:
+            out.absent.append((target, str(exc)))
+            continue
+        except LoadFailed as exc:
+            out.state, out.target, out.reason = State.FAILED, target, str(exc)
+            out.words = out.reason
+            return out
+        rt = PatchRun(spec.id, decision)
+        _, outcome = attempt(spec, target, module, rt, dry_run=True)  # a dry run installs nothing
+        out.found.extend(f for f in rt.found if f not in out.found)
+        if outcome is not None:
+            out.state, out.target, out.reason = outcome.state, target, outcome.reason
+            out.cause, out.words = outcome.cause, outcome.words
+            return out
+        out.checked.append(target)
+    return out

@@ -1,8 +1,8 @@
 """What ``status`` and ``doctor`` report: one :class:`~omni_patches.records.PatchStatus` per registry entry.
 
 Reads the engine only through :func:`omni_patches.engine.snapshot` and dry-runs through
-:func:`omni_patches.applying.check_target`. Also here: why the shim is not active in a process; the warnings for
-a patch whose ``needs`` are not met come from :mod:`omni_patches.needs`.
+:func:`omni_patches.applying.dry_run` (as ``omni-patches audit`` does). Also here: why the shim is not active in a
+process; the warnings for a patch whose ``needs`` are not met come from :mod:`omni_patches.needs`.
 """
 import os
 import sys
@@ -90,8 +90,6 @@ def doctor():
     Deactivates the shim in this process first. Returns PatchStatus records; ``state == "ready"`` means the
     patch would apply cleanly.
     """
-    import importlib
-
     from . import applying, gates
 
     engine.deactivate()
@@ -102,35 +100,37 @@ def doctor():
     out = []
     for spec in reg.specs.values():
         decision = gates.decide(spec, master=True)
-        result, reason, cause, found = decision.state, decision.explain(), decision.cause, []
+        result, reason, cause = decision.state, decision.explain(), decision.cause
         if decision.state is State.PENDING:
-            checked, unimportable = [], []
-            result = State.READY
-            for target in spec.targets:
-                try:
-                    module = importlib.import_module(target)
-                except ImportError as exc:  # e.g. an NPU-only module on a GPU host: never imported there
-                    unimportable.append(f"{target} ({type(exc).__name__}: {exc})")
-                    continue
-                except Exception as exc:
-                    result, reason = State.FAILED, f"importing {target} failed: {type(exc).__name__}: {exc}"
-                    break
-                checked.append(target)
-                rt = applying.check_target(spec, decision, target, module)
-                found.extend(f for f in rt.found if f not in found)
-                if rt.state is not State.READY:
-                    result, reason, cause = rt.state, decision.explain(rt.reason, found), rt.cause
-                    break
-            if result is State.READY and not checked:  # nothing was checked: it cannot be called ready
+            run = applying.dry_run(spec, decision, _import_target)
+            result, cause = run.state, run.cause
+            unimportable = "; ".join(f"{target} ({why})" for target, why in run.absent)
+            if result is not State.READY:
+                reason = decision.explain(run.reason, run.found)
+            elif not run.checked:  # nothing was checked: it cannot be called ready
                 result = State.FAILED
                 reason = decision.explain("no target could be imported here, so nothing was checked: " +
-                                          "; ".join(unimportable), found)
-            elif result is State.READY:
-                reason = decision.explain("checks passed for " + ", ".join(checked), found)
+                                          unimportable, run.found)
+            else:
+                reason = decision.explain("checks passed for " + ", ".join(run.checked), run.found)
                 if unimportable:
-                    reason += "; not importable here: " + "; ".join(unimportable)
+                    reason += "; not importable here: " + unimportable
         out.append(_record(spec, result, reason, decision, cause=cause))
     return needs.with_needs(reg, out)
+
+
+def _import_target(target):
+    """``doctor``'s way to load a target for the dry run: import it (an ImportError: not importable here)."""
+    import importlib
+
+    from . import applying
+
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:  # e.g. an NPU-only module on a GPU host: never imported there
+        raise applying.Absent(f"{type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        raise applying.LoadFailed(f"importing {target} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def inactive_reason(environ=None):
