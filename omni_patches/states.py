@@ -25,10 +25,6 @@ class State(_Word):
     INACTIVE = "inactive"  # the shim is not active in this process; ``would`` says what it would be
     REVERTED = "reverted"  # applied, but what it installed is no longer in place (its module reloaded): stock runs
 
-    @property
-    def skipped(self):
-        return is_skipped(self)
-
 
 class Cause(_Word):
     """Why a patch is skipped (``None`` for the other states): decided by a gate or by the patch's features."""

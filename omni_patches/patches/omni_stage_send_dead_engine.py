@@ -37,10 +37,7 @@ def check(ctx):
         ctx.fixed_upstream("StageDiffusionClient sends through _send_request (0.31.0rc1+)")
     sc.not_affected_unless_bound(ctx)  # in-process (0.18.0) or connect()ed (0.20.0rc1-0.23.0rc1): never blocks
     for name in _METHODS:
-        names = sc.code_names(ctx, f"StageDiffusionClient.{name}")
-        found = sorted(names.intersection(sc.SEND_FIX))
-        if found:
-            ctx.fixed_upstream(f"StageDiffusionClient.{name} already sends without blocking ({', '.join(found)})")
+        names = sc.send_names(ctx, f"StageDiffusionClient.{name}")
         if not {"_request_socket", "send"} <= names:
             ctx.drift(f"StageDiffusionClient.{name} no longer sends on self._request_socket")
         if not ctx.resolve(f"StageDiffusionClient.{name}").__code__.co_flags & 0x80:  # CO_COROUTINE

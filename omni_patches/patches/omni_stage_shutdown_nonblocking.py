@@ -29,10 +29,7 @@ _LOG = logging.getLogger("omni_patches")
 
 
 def check(ctx):
-    names = sc.code_names(ctx, "StageDiffusionClient.shutdown")
-    found = sorted(names.intersection(sc.SEND_FIX))
-    if found:
-        ctx.fixed_upstream(f"StageDiffusionClient.shutdown already sends without blocking ({', '.join(found)})")
+    names = sc.send_names(ctx, "StageDiffusionClient.shutdown")
     sc.not_affected_unless_bound(ctx)  # in-process (0.18.0) or connect()ed (0.20.0rc1-0.23.0rc1): never blocks
     if not {"_request_socket", "send"} <= names:
         ctx.drift("StageDiffusionClient.shutdown no longer sends on self._request_socket")
