@@ -1,5 +1,6 @@
-"""The package's shape, checked on its source: no module reaches another's private names, and state words are
-compared as :class:`omni_patches.states.State`, never as string literals."""
+"""The package's shape, checked on its source: no module reaches another's private names, state words are
+compared as :class:`omni_patches.states.State`, never as string literals, and the patches reach the shim only
+through their ``ctx``."""
 import ast
 from pathlib import Path
 
@@ -72,3 +73,47 @@ def test_the_checks_find_what_they_forbid():
     assert private_reaches(path, src) == ["example.py:2: imports _lock", "example.py:4: engine._state"]
     assert state_literals(path, src) == ["example.py:4: 'applied'", "example.py:4: 'drifted'"]
     assert private_reaches(path, "from . import engine\nengine.snapshot()\n") == []
+
+
+# -- the patches act only through ctx ------------------------------------------------------------------------
+# What a patch module may import from the shim besides its own package (``patches/_*.py`` helpers): the logger
+# and version parsing. Its record, the targets and every change reach it as ``ctx`` (omni_patches.context).
+PATCH_IMPORTS = {"omni_patches.log", "omni_patches.versions"}
+
+
+def patch_imports(path, source):
+    """Where the patch module at ``path`` imports a part of the shim other than :data:`PATCH_IMPORTS` (the engine,
+    ``runs`` / ``PatchRun``, ...)."""
+    bad = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # omni_patches/patches/<module>.py: "." is omni_patches.patches, ".." omni_patches
+                base = ".".join(["omni_patches", "patches"][:3 - node.level] + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] != "omni_patches" or name.startswith("omni_patches.patches."):
+                continue
+            if not any(name == ok or name.startswith(ok + ".") for ok in PATCH_IMPORTS):
+                bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: imports {name}")
+    return bad
+
+
+def test_patches_reach_the_shim_only_through_ctx():
+    bad = [b for path in SOURCES if path.parent.name == "patches" for b in patch_imports(path, path.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_patch_check_finds_what_it_forbids():
+    src = ("from .. import engine\nfrom ..runs import PatchRun\nfrom omni_patches import runs\n"
+           "import omni_patches.engine\nfrom .. import log, versions\nfrom . import _lora_call\n"
+           "from omni_patches.log import once\n")
+    path = PACKAGE / "patches" / "example.py"
+    assert patch_imports(path, src) == [
+        "patches/example.py:1: imports omni_patches.engine",
+        "patches/example.py:2: imports omni_patches.runs.PatchRun", "patches/example.py:3: imports omni_patches.runs",
+        "patches/example.py:4: imports omni_patches.engine"]

@@ -68,11 +68,9 @@ def _state_of(run):
     return state
 
 
-def get_expert_parallel_group_ranks():
-    """EP rank groups of the active mapping (one per PP stage), or None when no mapping is active."""
-    from .. import engine
-
-    run = engine.run(PATCH_ID)
+def get_expert_parallel_group_ranks(run):
+    """EP rank groups of the mapping active in ``run`` (the patch's record: ``ctx.run``, or
+    ``omni_patches.engine.run(PATCH_ID)`` from outside), one per PP stage; None when no mapping is active."""
     m = None if run is None else _active(_state_of(run))
     return None if m is None else [list(g) for g in m.ep_ranks]
 
