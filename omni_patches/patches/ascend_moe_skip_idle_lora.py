@@ -36,7 +36,7 @@ ROUTED_EXPERTS = f"{_PKG}.routed_experts"
 FUSED_MOE = f"{_PKG}.fused_moe"
 MOE_MLP = f"{_PKG}.moe_mlp"
 
-# How a punica wrapper class keeps ``no_lora`` (see _freshness).
+# How a punica wrapper class keeps ``no_lora`` (see freshness).
 ALWAYS = "recomputed on every update"
 PREFILL = "recomputed for prefill mappings only"
 NEVER = "not recomputed by update_metadata"
@@ -103,7 +103,7 @@ def _attr_ops(func):
     return stores, loads
 
 
-def _freshness(cls):
+def freshness(cls):
     """ALWAYS, PREFILL or NEVER for a punica wrapper class, read from the ``update_metadata`` it runs.
 
     ALWAYS: it stores ``no_lora`` without looking at ``is_prefill`` (vllm-ascend 0.27.1rc1+ PunicaWrapperNPU).
@@ -132,7 +132,7 @@ def _freshness(cls):
 def _learn(run, cls):
     """Classify (once per class, at the first idle-looking forward) and say so in the patch's status."""
     try:
-        kind = _freshness(cls)
+        kind = freshness(cls)
     except Exception:  # never raise into the forward for our own reasons
         kind = NEVER
     _KINDS[cls] = kind

@@ -41,7 +41,7 @@ PASS_THROUGH_MODULES = ("vllm.model_executor.parameter",)
 _OVERRIDES = ("__torch_function__", "__torch_dispatch__", "add_", "sub_", "data")
 
 
-def _load_torch():
+def load_torch():
     global torch, _CAT, _ACCUMULATE, _MODE, _DISABLED, _OWN
     if _ACCUMULATE is None:
         import torch as t
@@ -360,7 +360,7 @@ class _Scope:
 
     def __enter__(self):
         try:
-            _load_torch()
+            load_torch()
             if any(holder(type(p)) == "mode" for p in self.call.params.values()):
                 mode = _MODE()
                 mode.__enter__()
@@ -427,7 +427,7 @@ def apply(ctx):
             call, param = lc.current(lc.FUSED, prep_args, args, kwargs)
             if param is None or param.device.type != "cpu":
                 return original(*args, **kwargs)
-            _load_torch()
+            load_torch()
             if has_compute_device:
                 dev = prep_args.get(args, kwargs, "compute_device")
                 if dev is not None and torch.device(dev).type != "cpu":

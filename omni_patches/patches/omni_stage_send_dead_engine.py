@@ -51,9 +51,9 @@ def check(ctx):
 
 def apply(ctx):
     dead_error, zmq = ctx.module.EngineDeadError, ctx.module.zmq
-    ctx.wrap("StageDiffusionClient", "add_request_async", _sender(ctx.run, dead_error, zmq, rpc=False))
-    ctx.wrap("StageDiffusionClient", "collective_rpc_async", _sender(ctx.run, dead_error, zmq, rpc=True))
-    ctx.wrap("StageDiffusionClient", "abort_requests_async", _aborter(ctx.run, zmq))
+    ctx.wrap("StageDiffusionClient", "add_request_async", sender(ctx.run, dead_error, zmq, rpc=False))
+    ctx.wrap("StageDiffusionClient", "collective_rpc_async", sender(ctx.run, dead_error, zmq, rpc=True))
+    ctx.wrap("StageDiffusionClient", "abort_requests_async", aborter(ctx.run, zmq))
 
 
 def _unexpected(client):
@@ -87,7 +87,7 @@ def _first_step(client, wrapped, args, kwargs):
         sc.restore(sock, previous)
 
 
-def _sender(run, dead_error, zmq, *, rpc):
+def sender(run, dead_error, zmq, *, rpc):
     """Wrapper for the methods 0.31.0rc1 sends through ``_send_request`` (add_request_async, collective_rpc_async)."""
 
     async def send_or_raise(wrapped, instance, args, kwargs):
@@ -118,7 +118,7 @@ def _sender(run, dead_error, zmq, *, rpc):
     return send_or_raise
 
 
-def _aborter(run, zmq):
+def aborter(run, zmq):
     async def abort_or_drop(wrapped, instance, args, kwargs):
         why = _unexpected(instance)
         if why is not None:

@@ -38,7 +38,7 @@ def check(ctx):
 
 
 def apply(ctx):
-    ctx.wrap("StageDiffusionClient", "shutdown", functools.partial(_shutdown, ctx.run))
+    ctx.wrap("StageDiffusionClient", "shutdown", functools.partial(shutdown, ctx.run))
 
 
 def _nonblocking(run, client, sock):
@@ -65,7 +65,7 @@ def _report_dead_peer(run, client, sock, zmq):
         pass
 
 
-def _shutdown(run, wrapped, instance, args, kwargs):
+def shutdown(run, wrapped, instance, args, kwargs):
     sock = getattr(instance, "_request_socket", None)
     previous = _nonblocking(run, instance, sock)
     if previous is None:  # e.g. a second shutdown(): stock's send fails on the closed socket and goes on

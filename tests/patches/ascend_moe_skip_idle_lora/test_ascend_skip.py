@@ -197,11 +197,11 @@ def test_unknown_wrapper_shapes_are_never_trusted():
             super().update_metadata(mapping)
             self.extra = 1
 
-    assert patch._freshness(NoRecompute) == patch.NEVER
-    assert patch._freshness(Conditional) == patch.NEVER
-    assert patch._freshness(object) == patch.NEVER
-    assert patch._freshness(_Wrapper) == patch.PREFILL
-    assert patch._freshness(Delegating) == patch.PREFILL
+    assert patch.freshness(NoRecompute) == patch.NEVER
+    assert patch.freshness(Conditional) == patch.NEVER
+    assert patch.freshness(object) == patch.NEVER
+    assert patch.freshness(_Wrapper) == patch.PREFILL
+    assert patch.freshness(Delegating) == patch.PREFILL
 
 
 def test_fallback_hides_the_argument_only_when_fresh():
