@@ -33,8 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omni_patches import wrapping  # noqa: E402
-from omni_patches.patches.ascend_moe_skip_idle_lora import (  # noqa: E402
-    KEY, _compile, _signature_parts, make_skip)
+from omni_patches.patches.ascend_moe_skip_idle_lora import KEY, PATCH_ID, make_forwarder, make_skip  # noqa: E402
+from omni_patches.runs import PatchRun  # noqa: E402
+
+RUN = PatchRun.standalone(PATCH_ID)  # the record the builders' notes go to (no engine here)
 
 
 class PrefillWrapper:
@@ -58,8 +60,7 @@ class PrefillWrapper:
 
 def make_floor(original):
     """A do-nothing forwarder with ``original``'s exact signature: the floor under any replacement."""
-    params, call, ns = _signature_parts(original)
-    return _compile(original, f"def {original.__name__}({params}):\n    return _orig({call})\n", ns)
+    return make_forwarder(original, RUN)
 
 
 def _grouped_mm(x, w, counts):
@@ -133,7 +134,7 @@ def bench_forward(reps, warmup, tokens):
     class Patched(MoELayer):
         pass
 
-    Patched.forward_impl = make_skip(MoELayer.forward_impl, "self")
+    Patched.forward_impl = make_skip(MoELayer.forward_impl, "self", RUN)
     idle, patched = MoELayer(tokens=tokens), Patched(tokens=tokens)
     for layer in (idle, patched):
         layer.load_state_dict(plain.state_dict())
@@ -191,7 +192,7 @@ def bench_call(number, repeat):
     classes = {
         "bare call": bare,
         "floor (do-nothing forwarder)": make_floor(bare),
-        "exact-signature replace (patch)": make_skip(bare, "self"),
+        "exact-signature replace (patch)": make_skip(bare, "self", RUN),
         "*args/**kwargs replace": star,
         "wrapt FunctionWrapper": wrapping.PatchWrapper(bare, wrapt_logic, "bench"),
     }

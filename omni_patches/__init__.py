@@ -8,7 +8,7 @@ Public API (all lazy: importing this package costs nothing measurable)::
     omni_patches.unapply_all()     # restore everything, newest first
 """
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401  (its own module: the process record reads it without this front)
 
 
 def activate(*, force: bool = False, source: str = "api"):

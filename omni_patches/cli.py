@@ -52,10 +52,6 @@ def _environment():
     return list(reg.errors), envcheck.environment_problems(reg)
 
 
-def _skipped(state):
-    return is_skipped(state)
-
-
 def _gone_hint(shown, use_ray):
     """How to clean the records of dead processes: which command, and where (each node keeps its own files)."""
     if use_ray:
@@ -170,7 +166,7 @@ def cmd_all_processes(args):
         ids.extend(i for i in r.get("patches", {}) if i not in ids)
     omitted = []
     if not getattr(args, "all_patches", False):  # a column per patch that applies somewhere on this stack
-        omitted = [i for i in ids if all(_skipped(r.get("patches", {}).get(i, {}).get("state", State.DISABLED))
+        omitted = [i for i in ids if all(is_skipped(r.get("patches", {}).get(i, {}).get("state", State.DISABLED))
                                          for r in shown if "error" not in r)]
         ids = [i for i in ids if i not in omitted]
     head = ("node", "node id", "pid", "rank", "role", "instance") if use_ray else ("pid", "group", "rank", "role",

@@ -5,17 +5,22 @@ on ``sys.meta_path`` that waits for the first import of a package in :data:`WAKE
 packages named by ``OMNI_PATCHES_CONFIG`` overlays, which are parsed then). Nothing else happens -- not
 even reading the registry -- until one of them is imported.
 
-Then, once: the finder removes itself, the registry is loaded and validated, wrapt/packaging are imported,
-every patch is gated on the installed versions and a wrapt post-import hook is registered per target. Each
-hook applies its patch to the freshly imported module, isolated: any exception is logged once and the host
-import continues unpatched (``OMNI_PATCHES_STRICT=1`` re-raises).
+Then, once: the finder removes itself and :mod:`.starting` does the heavy half (registry checked, wrapt and
+packaging imported, every patch gated, a wrapt post-import hook registered per target). Each hook applies its
+patch to the freshly imported module (:mod:`.applying`), isolated: any exception is logged once and the host
+import continues unpatched (``OMNI_PATCHES_STRICT=1`` re-raises, :mod:`.strict`). :mod:`.undo` and
+:mod:`.staleness` undo and re-check what was installed.
+
+This module holds the process's one activation state and passes it down to those modules; none of them imports
+this one.
 """
 import sys
 from _thread import RLock  # not `threading`: its import chain alone would eat the start-up budget
 
 from . import flags, registry
 
-# ``states`` (an enum: ~7 ms of imports) is imported inside the functions that run after start-up, never here.
+# ``states`` (an enum: ~7 ms of imports) and everything below the start-up path are imported inside the functions
+# that run after start-up, never here.
 
 _lock = RLock()
 
@@ -25,6 +30,10 @@ WAKE_ON = frozenset(("vllm", "vllm_omni", "vllm_ascend"))
 
 
 class _State:
+    """One activation: what the modules below the engine are handed (they never read this module's globals)."""
+
+    lock = _lock  # every change to an activation's records takes it (reentrant: unapply_all calls unapply)
+
     def __init__(self, reg, forced, source):
         self._registry = reg
         self.forced = forced
@@ -94,7 +103,9 @@ def activate(*, force=False, source="api"):
             return True
     except Exception as exc:
         if flags.strict():
-            raise _strict_error(f"activation failed: {type(exc).__name__}: {exc}", exc)
+            from . import strict
+
+            raise strict.error(f"activation failed: {type(exc).__name__}: {exc}", exc)
         from . import log
 
         log.get().exception("activation failed; running unpatched")
@@ -135,82 +146,39 @@ def _overlay_top_levels():
         return set()
     reg = registry.load(paths)
     if reg.errors:  # say so now: a broken overlay may mean nothing ever wakes the shim
-        _report_registry(reg, check_env=False)  # the built-in ids are not loaded yet
+        from . import strict
+
+        strict.report_registry(reg, check_env=False)  # the built-in ids are not loaded yet
     return _top_levels(t for spec in reg.specs.values() for t in spec.targets)
 
 
-class StrictModeError(RuntimeError):
-    """OMNI_PATCHES_STRICT=1 and something is wrong: raised into the host program's import."""
+def __getattr__(name):
+    """``engine.StrictModeError``: its public name (docs, the traceback line), defined in :mod:`.strict` and
+    imported only when asked for (never at interpreter start)."""
+    if name == "StrictModeError":
+        from .strict import StrictModeError
 
-
-STRICT_PREFIX = "omni-patches (OMNI_PATCHES_STRICT=1): "
-
-
-def _strict_error(problem, cause=None):
-    """The StrictModeError for ``problem`` (one text naming file / patch / target), chained to ``cause``."""
-    if isinstance(cause, StrictModeError):
-        return cause
-    err = StrictModeError(STRICT_PREFIX + problem)
-    err.__cause__ = cause
-    return err
-
-
-class _StrictStop:
-    """``sys.meta_path`` entry for a strict-mode problem found before the shim could start (an invalid
-    ``OMNI_PATCHES`` value leaves it off): the first import of a watched package raises it into the host
-    program, like every other strict-mode problem (a .pth line cannot stop an interpreter)."""
-
-    def __init__(self, names, problem):
-        self.names, self.problem = frozenset(names), problem
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] not in self.names:
-            return None
-        problems = [self.problem]
-        try:  # every other problem of the environment too, in the same message
-            from . import envcheck
-
-            problems += [p for p in envcheck.environment_problems(registry.load()) if p != self.problem]
-        except Exception:  # pragma: no cover - the first problem alone still stops the program
-            pass
-        raise StrictModeError(STRICT_PREFIX + " | ".join(problems))
-
-    def invalidate_caches(self):  # part of the finder protocol
-        pass
+        return StrictModeError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def strict_stop(problem):
     """Strict mode, and ``problem`` keeps the shim off: stop the host at its first vLLM-family import (at once
     if one is already imported, e.g. when vLLM's plugin loader calls us)."""
+    from . import strict
+
     watched = set(WAKE_ON) | _overlay_top_levels()
     if any(name in sys.modules for name in watched):
-        raise StrictModeError(STRICT_PREFIX + problem)
+        raise strict.StrictModeError(strict.PREFIX + problem)
     with _lock:
-        if not any(isinstance(f, _StrictStop) for f in sys.meta_path):
-            sys.meta_path.insert(0, _StrictStop(watched, problem))
-
-
-def _report_registry(reg, check_env=True):
-    """Log every registry and environment problem once; in strict mode raise them all as one error."""
-    from . import envcheck, log
-
-    for err in reg.errors:
-        log.once(40, ("registry", err), "registry problem: %s", err)
-    env_problems = envcheck.environment_problems(reg) if check_env else []
-    for problem in env_problems:
-        log.once(30, ("env", problem), "%s", problem)
-    if check_env and flags.strict():
-        from . import gates
-
-        failed = [p for p in (spec.error or gates.check_spec(spec) for spec in reg.specs.values()) if p]
-        problems = [*reg.errors, *failed, *env_problems]
-        if problems:
-            raise StrictModeError(STRICT_PREFIX + " | ".join(problems))
+        if not any(isinstance(f, strict.Stop) for f in sys.meta_path):
+            sys.meta_path.insert(0, strict.Stop(watched, problem))
 
 
 def _start():
-    """The heavy half of activation, run once at the first import of a target package."""
-    from .states import State
+    """The heavy half of activation (:func:`omni_patches.starting.start`), run once at the first import of a
+    target package; returns wrapt's import finder."""
+    from . import starting
 
     state = _state
     if state is None:
@@ -223,275 +191,29 @@ def _start():
                 pass
             state.trigger = None
         if state.started:
-            return _wrapt_finder()
+            return starting.wrapt_finder()
         state.started = True
-        try:  # instance id here, not in activate(): `OMNI_PATCHES=1 ray start` must not mint one for its node
-            from . import proof
-
-            proof.ensure_instance()
-        except Exception:  # pragma: no cover - ensure_instance never raises; the import cannot stop the shim
-            pass
-        try:
-            import functools
-
-            import wrapt
-
-            from . import gates, log
-            from .runs import PatchRun
-
-            _report_registry(state.registry)
-            master = True if state.forced else None
-            for spec in state.registry.specs.values():
-                decision = gates.decide(spec, master=master)
-                rt = state.runtime[spec.id] = PatchRun(spec.id, decision)
-                if decision.state != State.PENDING:
-                    level = 40 if decision.state == State.FAILED else 20
-                    log.once(level, ("decision", spec.id), "%s: %s (%s)", spec.id, decision.state, decision.explain())
-                    continue
-                log.get().debug("%s: waiting for %s", spec.id, ", ".join(spec.targets))
-                for target in spec.targets:
-                    hook = functools.partial(_on_import, state.generation, spec.id, target)
-                    wrapt.register_post_import_hook(hook, target)
-                    if rt.state not in (State.PENDING, State.APPLIED):
-                        break  # an already-imported target drifted or failed: the rest would be undone anyway
-            _log_needs(state)
-        except Exception as exc:
-            state.start_error = f"{type(exc).__name__}: {exc}"
-            if flags.strict():
-                raise _strict_error(f"could not start: {state.start_error}", exc)
-            from . import log
-
-            log.get().exception("omni-patches could not start; running unpatched")
-        from . import proof
-
-        proof.started()  # listed by `status --all-processes` even where no patch applies (never raises)
-        return _wrapt_finder()
-
-
-def _wrapt_finder():
-    try:
-        import wrapt.importer
-    except ImportError:  # _start() already logged it; never break the host's import over it
-        return None
-
-    for finder in sys.meta_path:
-        if isinstance(finder, wrapt.importer.ImportHookFinder):
-            return finder
-    return None
-
-
-def _on_import(generation, patch_id, target, module):
-    """wrapt post-import hook. Must never raise into the host's import unless strict."""
-    try:
-        if _state is None or _state.generation != generation:
-            return
-        _apply_target(_state, patch_id, target, module)
-    except Exception as exc:
-        if flags.strict():
-            raise _strict_error(f"{patch_id}: unexpected error in the import hook for {target}: "
-                                f"{type(exc).__name__}: {exc}", exc)
-        from . import log
-
-        log.once(40, ("hook", patch_id, target), "%s: unexpected error in the import hook for %s; "
-                 "running unpatched", patch_id, target, exc_info=True)
-
-
-def _attempt(spec, target, module, rt, dry_run):
-    """Run the patch's ``check`` and ``apply`` on ``module``. Returns ``(sink, None)`` when it went through, else
-    ``(sink, (state, reason, cause, exc))`` -- what was installed before it stopped is in ``sink``."""
-    import importlib
-
-    from .context import Drift, FixedUpstream, NotAffected, PatchContext
-    from .states import Cause, State
-
-    sink = []
-    ctx = PatchContext(spec, target, module, rt.decision.installed, rt, dry_run=dry_run, sink=sink)
-    try:
-        impl = importlib.import_module(spec.module)
-        check = getattr(impl, "check", None)
-        if check is not None:
-            check(ctx)
-        impl.apply(ctx)
-    except FixedUpstream as exc:
-        return sink, (State.VERSION, f"fixed upstream: {exc}", Cause.FIXED_UPSTREAM, exc)
-    except NotAffected as exc:  # the code predates the bug (decided by features): a skip, never drift
-        return sink, (State.VERSION, f"{Cause.NOT_AFFECTED}: {exc}", Cause.NOT_AFFECTED, exc)
-    except Drift as exc:
-        return sink, (State.DRIFTED, f"{target}: {exc}", None, exc)
-    except Exception as exc:
-        return sink, (State.FAILED, f"{target}: {type(exc).__name__}: {exc}", None, exc)
-    rt.found.extend(f for f in ctx.found if f not in rt.found)
-    return sink, None
-
-
-def check_target(spec, decision, target, module):
-    """Dry-run ``spec``'s checks on an imported ``module`` (``doctor``, ``omni-patches audit``): nothing is
-    wrapped, nothing logged, the engine's own records untouched. Returns a fresh :class:`~omni_patches.runs.
-    PatchRun` whose state is ``ready`` when the patch would apply there, else drifted / failed / skipped:version
-    with its reason and cause; ``found`` lists what the patch recognised."""
-    from .runs import PatchRun
-    from .states import State
-
-    rt = PatchRun(spec.id, decision)
-    _, outcome = _attempt(spec, target, module, rt, dry_run=True)  # a dry run installs nothing
-    if outcome is None:
-        rt.set(State.READY, "")
-    else:
-        rt.set(*outcome[:3])
-    return rt
-
-
-def _apply_target(state, patch_id, target, module):
-    from . import log
-    from .states import State
-
-    with _lock:
-        rt = state.runtime[patch_id]
-        if rt.state not in (State.PENDING, State.APPLIED, State.REVERTED):
-            return rt.state
-        if target in rt.applied_targets and not _forget_stale(state, rt, target):
-            return rt.state  # what it installed is in place: never wrap twice
-        spec = state.registry.specs[patch_id]
-        sink, outcome = _attempt(spec, target, module, rt, dry_run=False)
-        if outcome is not None:
-            new_state, reason, cause, exc = outcome
-            for record in reversed(sink):  # what this attempt installed, then what earlier targets did
-                record.undo()
-            _undo_records(state, rt)
-            rt.set(new_state, reason, cause)
-            _log_needs(state)
-            _report_outcome(spec, target, rt, exc)
-            return rt.state
-        rt.records.extend(sink)
-        state.order.extend(sink)
-        rt.by_target[target] = list(sink)
-        rt.applied_targets.append(target)
-        rt.set(State.APPLIED, "patched " + ", ".join(rt.applied_targets))
-        _check_in_place(rt)  # a target reloaded earlier may still be stock
-        log.get().info("%s: applied to %s", patch_id, target)
-        from . import proof
-
-        proof.applied(patch_id)  # per-process record, INFO line, gauge (never raises)
-        _log_needs(state)
-        return rt.state
-
-
-def _report_outcome(spec, target, rt, exc):
-    """Log why ``spec`` did not apply at ``target`` (once); strict mode turns drift and failure into errors."""
-    from . import log
-    from .states import Cause, State
-
-    pid = spec.id
-    if rt.cause in (Cause.FIXED_UPSTREAM, Cause.NOT_AFFECTED):
-        key = "fixed" if rt.cause is Cause.FIXED_UPSTREAM else "not-affected"
-        log.once(20, ("decision", pid, key), "%s: %s (%s)", pid, rt.state, rt.reason)
-        return
-    if rt.state is State.DRIFTED:
-        log.once(30, ("decision", pid, "drift"), "%s: drifted, not applied (%s: %s)", pid, target, exc)
-        if flags.strict():
-            raise _strict_error(f"{pid}: drifted at {target}: {exc} (nothing applied; patch module {spec.module})", exc)
-        return
-    log.once(40, ("decision", pid, "failed"), "%s: failed, not applied (%s)", pid, rt.reason, exc_info=exc)
-    if flags.strict():
-        raise _strict_error(f"{pid}: failed at {target}: {type(exc).__name__}: {exc} (nothing applied; patch "
-                            f"module {spec.module})", exc)
-
-
-def _stale(records):
-    """Labels of the records whose installed object is no longer in place (see wrapping.Installed.in_place)."""
-    return [r.label for r in records if not getattr(r, "in_place", lambda: True)()]
-
-
-def _check_in_place(rt):
-    """An applied patch whose installed objects are gone -- ``importlib.reload`` of a target re-creates its
-    functions and classes, stock -- is ``reverted``, and says which; fine again once re-applied."""
-    from .states import State
-
-    if rt.state not in (State.APPLIED, State.REVERTED):
-        return
-    gone = _stale(rt.records)
-    if gone:
-        rt.set(State.REVERTED, f"applied to {', '.join(rt.applied_targets)}, but no longer in place: "
-               f"{', '.join(gone)} (the module was reloaded or the attribute replaced since): stock code runs there")
-    elif rt.state is State.REVERTED:
-        rt.set(State.APPLIED, "patched " + ", ".join(rt.applied_targets))
-
-
-def _forget_stale(state, rt, target):
-    """The hook fired again for ``target`` (a reloaded module): if what it installed there is gone, undo what
-    is left of it and forget it, so that it applies once more (True); False when it is all in place."""
-    records = rt.by_target.get(target, [])
-    if not _stale(records):
-        return False
-    for record in reversed(records):
-        if getattr(record, "in_place", lambda: False)():
-            try:
-                record.undo()
-            except Exception:  # someone wrapped on top of it: leave that target as it is
-                return False
-    for record in records:
-        if record in state.order:
-            state.order.remove(record)
-    rt.records = [r for r in rt.records if r not in records]
-    rt.by_target.pop(target, None)
-    rt.applied_targets = [t for t in rt.applied_targets if t != target]
-    return True
-
-
-def _undo_records(state, rt):
-    problems = []
-    for record in reversed(rt.records):
-        if getattr(record, "gone", lambda: False)():  # replaced wholesale (a reload): nothing of ours to undo
-            state.order.remove(record)
-            continue
-        try:
-            record.undo()
-        except Exception as exc:  # someone wrapped on top of us: leave it, report it
-            problems.append(str(exc))
-            continue
-        state.order.remove(record)
-    rt.records = [r for r in rt.records if r in state.order]
-    if not rt.records:
-        rt.applied_targets, rt.by_target = [], {}
-    return problems
+        return starting.start(state)
 
 
 def unapply(patch_id):
     """Undo one patch. True if something was restored; unknown or never-applied ids give False."""
-    from . import log
-    from .states import Cause, State
+    from . import undo
 
     with _lock:
-        if _state is None or patch_id not in _state.runtime:
+        if _state is None:
             return False
-        rt = _state.runtime[patch_id]
-        if not rt.records and rt.state is not State.APPLIED:
-            if rt.state is State.PENDING:
-                rt.set(State.DISABLED, "unapplied at runtime", Cause.UNAPPLIED)
-            return False
-        problems = _undo_records(_state, rt)
-        if problems:
-            msg = f"{patch_id}: could not undo everything: " + "; ".join(problems)
-            if flags.strict():
-                raise StrictModeError(STRICT_PREFIX + msg)
-            log.get().error(msg)
-            return False
-        rt.set(State.DISABLED, "unapplied at runtime (omni_patches.unapply)", Cause.UNAPPLIED)
-        log.get().info("%s: unapplied", patch_id)
-        return True
+        return undo.unapply(_state, patch_id)
 
 
 def unapply_all():
     """Undo every patch, newest record first. Returns the ids that were undone."""
+    from . import undo
+
     with _lock:
         if _state is None:
             return []
-        done = []
-        for record in reversed(list(_state.order)):
-            pid = record.patch_id
-            if pid not in done:
-                done.append(pid)
-        return [pid for pid in done if unapply(pid)]
+        return undo.unapply_all(_state)
 
 
 def deactivate():
@@ -504,6 +226,10 @@ def deactivate():
         if _state.trigger is not None and _state.trigger in sys.meta_path:
             sys.meta_path.remove(_state.trigger)
         _state.generation += 1
+        if _state.started:
+            from . import proof
+
+            proof.detach()  # the process record no longer reads this activation's records
         _restore_ray_prefixes(_state.ray_prefixes_before)
         _state = None
 
@@ -521,22 +247,20 @@ def reapply(module):
     name = getattr(module, "__name__", None)
     if state is None or not state.started:
         return {}
+    from . import applying, staleness
+
     out = {}
     for pid, rt in list(state.runtime.items()):
         if name in state.registry.specs[pid].targets:
-            _on_import(state.generation, pid, name, module)
-        elif any(_module_of(getattr(r, "owner", None)) == name for r in rt.records):
+            applying.on_import(state, state.generation, pid, name, module)
+        elif staleness.changed_module(rt, name):
             for target in list(rt.applied_targets):
                 if sys.modules.get(target) is not None:
-                    _on_import(state.generation, pid, target, sys.modules[target])
+                    applying.on_import(state, state.generation, pid, target, sys.modules[target])
         else:
             continue
         out[pid] = rt.state
     return out
-
-
-def _module_of(owner):
-    return getattr(owner, "__name__", None) if isinstance(owner, type(sys)) else getattr(owner, "__module__", None)
 
 
 class Snapshot:
@@ -565,9 +289,11 @@ def snapshot(*, check_in_place=False):
     again: never say applied then)."""
     state = _state
     if check_in_place and state is not None:
+        from . import staleness
+
         with _lock:
             for rt in state.runtime.values():
-                _check_in_place(rt)
+                staleness.check_in_place(rt)
     return Snapshot(state)
 
 
@@ -576,25 +302,6 @@ def run(patch_id):
     unknown id)."""
     state = _state
     return state.runtime.get(patch_id) if state is not None else None
-
-
-def _log_needs(state):
-    """Log once when an applied patch's needed patch ended disabled, drifted, failed or out of range."""
-    from . import log, reports
-    from .states import State
-
-    for spec in state.registry.specs.values():
-        rt = state.runtime.get(spec.id)
-        if rt is None or rt.state is not State.APPLIED:
-            continue
-        for other in spec.needs:
-            ort = state.runtime.get(other)
-            if ort is None:
-                continue
-            why = reports.needed_problem(ort.state, ort.cause, ort.full_reason())
-            if why:
-                log.once(30, ("needs", spec.id, other, str(ort.state)), "%s: applied, but it needs %s on this stack, "
-                         "which is %s: the result is not correct here", spec.id, other, why)
 
 
 def registry_errors():

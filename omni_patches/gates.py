@@ -89,14 +89,15 @@ def assumed_versions(environ=os.environ):
     return versions.parse_assumed(environ.get(ASSUME))
 
 
-def decide(spec, *, master=None, environ=os.environ, installed=None):
+def decide(spec, *, master=None, environ=os.environ, installed=None, seen="installed"):
     """Everything that can be decided before the target is imported.
 
     Returns a Decision whose state is one of failed / skipped:disabled / skipped:absent / skipped:version,
     or ``pending`` when the patch should be applied once its target is imported.
     ``master=None`` reads OMNI_PATCHES; True/False overrides it (the CLI evaluates "as if on").
     ``installed`` (``{dist: version or None}``) replaces the installed metadata (``omni-patches audit``
-    gates on the versions of downloaded wheels); a dist it does not name counts as not installed.
+    gates on the versions of downloaded wheels); a dist it does not name counts as not installed. ``seen``:
+    the word a reason uses for where a version was read ("fixed upstream in X 0.31.0 (audited 0.32.0)").
 
     Versions: ``OMNI_PATCHES_ASSUME_VERSION`` replaces the version of an installed distribution. A source
     build's version (:func:`omni_patches.versions.source_build`) says nothing about its code, so unless the
@@ -147,7 +148,7 @@ def decide(spec, *, master=None, environ=os.environ, installed=None):
             return out(State.VERSION, f"{dist} {ver} is not a PEP 440 version{hint}", cause=Cause.BAD_VERSION)
         fixed = spec.fixed_in.get(dist)
         if fixed and v >= Version(fixed):
-            return out(State.VERSION, f"fixed upstream in {dist} {fixed} (installed {ver}){hint}",
+            return out(State.VERSION, f"fixed upstream in {dist} {fixed} ({seen} {ver}){hint}",
                        cause=Cause.FIXED_UPSTREAM)
         if not in_range(specifier, v):
             return out(State.VERSION, f"{dist} {ver} is outside {specifier}{hint}", cause=Cause.OUT_OF_RANGE)

@@ -29,20 +29,28 @@ def level_problem(environ=os.environ):
 
 
 def get():
-    global _configured
-    logger = logging.getLogger(NAME)
+    """The logger, configured from ``OMNI_PATCHES_LOG_LEVEL`` the first time."""
     if not _configured:
-        _configured = True
-        level = parse_level(os.environ.get(LEVEL_VAR))
-        logger.setLevel(logging.INFO if level is None else level)
-        if not logger.handlers:
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(asctime)s omni-patches[%(process)d] %(levelname)s %(message)s"))
-            logger.addHandler(handler)
-            logger.propagate = False
-        problem = level_problem()
-        if problem:  # the same text as the environment report at start-up: logged once between them
-            once(logging.WARNING, ("env", problem), "%s", problem)
+        return configure()
+    return logging.getLogger(NAME)
+
+
+def configure():
+    """Set the logger's level from ``OMNI_PATCHES_LOG_LEVEL`` now (and give it a stderr handler if it has none):
+    :func:`get` does it once; a test that changes the variable calls it again."""
+    global _configured
+    _configured = True
+    logger = logging.getLogger(NAME)
+    level = parse_level(os.environ.get(LEVEL_VAR))
+    logger.setLevel(logging.INFO if level is None else level)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s omni-patches[%(process)d] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    problem = level_problem()
+    if problem:  # the same text as the environment report at start-up: logged once between them
+        once(logging.WARNING, ("env", problem), "%s", problem)
     return logger
 
 

@@ -16,4 +16,11 @@ def register():
     if os.environ.get("OMNI_PATCHES_INSTANCE"):  # a process of an instance whose driver ran the shim: if the
         from . import proof                      # shim stays off here, `status --all-processes` lists it as such
 
-        proof.inactive_here()
+        proof.inactive_here(_why_inactive)
+
+
+def _why_inactive():
+    """Why the shim is off in this process, or None when it is on (the process record's own entry then)."""
+    from . import engine, reports
+
+    return None if engine.is_active() else reports.inactive_reason()

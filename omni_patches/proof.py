@@ -1,9 +1,9 @@
 """Proof in production: what each process of a serving instance actually patched.
 
 Nothing here runs at interpreter start-up. At the first vLLM-family import the engine calls
-:func:`ensure_instance` (the serving-instance id, see below); after every successful application it calls
-:func:`applied`. The first application in a process logs one INFO line (pid, role, patch states), and every
-application
+:func:`ensure_instance` (the serving-instance id, see below) and :func:`attach` (where this module reads the
+patches' records: it never imports the engine); after every successful application it calls :func:`applied`.
+The first application in a process logs one INFO line (pid, role, patch states), and every application
 
 * rewrites ``<state dir>/<pid>.json`` atomically (temp file + ``os.replace``: a reader never sees half a
   file, concurrent writers never share a file), removed again at exit: ``atexit``, and multiprocessing's own
@@ -22,8 +22,9 @@ workers (the V2 executor copies the driver's environment, the legacy one the ``O
 Every record carries it, so records of one serving instance can be told from another's.
 
 The engine also calls :func:`started` once its gates decided, so a process where nothing applies is listed
-too, and vLLM's plugin entry point calls :func:`inactive_here` in a process of a serving instance (one that
-inherited ``OMNI_PATCHES_INSTANCE``) where the shim stays off, so the view lists it with the reason.
+too (and :func:`detach` when it is deactivated), and vLLM's plugin entry point calls :func:`inactive_here` in a
+process of a serving instance (one that inherited ``OMNI_PATCHES_INSTANCE``) where the shim stays off, so the
+view lists it with the reason.
 
 State directory: ``$OMNI_PATCHES_STATE_DIR`` if set (give each serving instance its own), else
 ``$XDG_RUNTIME_DIR/omni-patches``, else ``<tempdir>/omni-patches-<uid>`` (mode 0700; a directory owned by
@@ -43,6 +44,7 @@ import os
 import sys
 import time
 
+from ._version import __version__
 from .states import State
 
 INSTANCE = "OMNI_PATCHES_INSTANCE"
@@ -203,11 +205,26 @@ def role(environ=os.environ, info=None):
     return out
 
 
+_runs = None  # the active engine's records: () -> {patch id: PatchRun} (attach); None while the shim is off here
+
+
+def attach(runs):
+    """The engine started here: ``runs()`` gives its live ``{patch id: PatchRun}`` from now on (passed down, so
+    that this module never imports the engine)."""
+    global _runs
+    _runs = runs
+
+
+def detach():
+    """The engine was deactivated here: nothing more is recorded for it (a forked child included)."""
+    global _runs
+    _runs = None
+
+
 def _patches():
     """``{patch id: {"state", "reason", "targets"}}`` without the engine lock (a forked child may not get it)."""
-    from . import engine
-
-    return {pid: rt.view() for pid, rt in engine.snapshot().runs.items()}
+    runs = _runs
+    return {pid: rt.view() for pid, rt in (runs() if runs is not None else {}).items()}
 
 
 def proc_stat(pid):
@@ -263,8 +280,6 @@ def record():
         pgid, sid = os.getpgid(0), os.getsid(0)
     except OSError:  # pragma: no cover
         pgid = sid = None
-    from . import __version__
-
     start = start_time(pid)
     info = ray_info()
     rec = {"pid": pid, "ppid": os.getppid(), "pgid": pgid, "sid": sid, "start": start,
@@ -401,8 +416,7 @@ def forget():
 
 def _current_state():
     """``_ACTIVE`` (the shim runs here), ``_INACTIVE`` (recorded as inactive, see :func:`inactive_here`) or None."""
-    engine = sys.modules.get("omni_patches.engine")  # never imported for this: a process without it has no record
-    if engine is not None and engine.is_active():
+    if _runs is not None:
         return _ACTIVE
     return _INACTIVE if _inactive_reason is not None else None
 
@@ -464,8 +478,6 @@ def started():
 
 
 def _inactive_record():
-    from . import __version__
-
     pid = os.getpid()
     start = start_time(pid)
     info = ray_info()
@@ -478,20 +490,20 @@ def _inactive_record():
     return rec
 
 
-def inactive_here():
+def inactive_here(why_inactive):
     """vLLM's plugin entry point calls this after its activation attempt. In a process of a serving instance
     (``OMNI_PATCHES_INSTANCE`` inherited from a process where the shim ran) where the shim stays off (the
-    node's own ``OMNI_PATCHES=0``, a value that is no switch), record the process as inactive, with the reason:
-    the instance view must show the rank that runs unpatched. Anywhere else nothing happens. Never raises."""
+    node's own ``OMNI_PATCHES=0``, a value that is no switch), record the process as inactive, with the reason
+    ``why_inactive()`` gives (None: the shim is active here after all, and started() / applied() record it): the
+    instance view must show the rank that runs unpatched. Anywhere else nothing happens. Never raises."""
     global _inactive_reason
     try:
         if not (os.environ.get(INSTANCE) or "").strip() or _written_pid == os.getpid():
             return False
-        from . import engine, reports
-
-        if engine.is_active():
-            return False  # recorded by started() / applied()
-        _inactive_reason = reports.inactive_reason()
+        why = why_inactive()
+        if why is None:
+            return False
+        _inactive_reason = why
         _keep(_inactive_record())
         return True
     except Exception:

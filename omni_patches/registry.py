@@ -97,9 +97,6 @@ class Registry:
         self.errors = []  # file-level problems (unreadable file, TOML syntax)
         self.files = []
 
-    def enabled_targets(self, ids):
-        return {t for i in ids for t in self.specs[i].targets}
-
 
 def builtin_path():
     """The registry shipped inside the package; a source checkout falls back to the repository's copy."""

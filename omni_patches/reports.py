@@ -1,16 +1,15 @@
 """What ``status`` and ``doctor`` report: one :class:`~omni_patches.records.PatchStatus` per registry entry.
 
 Reads the engine only through :func:`omni_patches.engine.snapshot` and dry-runs through
-:func:`omni_patches.engine.check_target`. Also here: why the shim is not active in a process, and the warnings
-for a patch whose ``needs`` are not met.
+:func:`omni_patches.applying.dry_run` (as ``omni-patches audit`` does). Also here: why the shim is not active in a
+process; the warnings for a patch whose ``needs`` are not met come from :mod:`omni_patches.needs`.
 """
-import dataclasses
 import os
 import sys
 
-from . import engine, flags, registry
+from . import engine, flags, needs, registry
 from .records import PatchStatus
-from .states import HARMLESS_CAUSES, State
+from .states import State
 
 
 def _record(spec, state, reason, decision, applied=(), changed=(), cause=None, **extra):
@@ -50,38 +49,6 @@ def machinery_problem():
     return None
 
 
-# A needed patch in one of these states leaves the patch that needs it correct.
-_NEEDED_OK = (State.APPLIED, State.PENDING, State.READY, State.ABSENT)
-
-
-def needed_problem(state, cause, reason):
-    """Why a patch in ``state`` (``cause``, ``reason``) that another one needs leaves that one incorrect here,
-    or None."""
-    if state in _NEEDED_OK or (state is State.VERSION and cause in HARMLESS_CAUSES):
-        return None
-    return f"{state} ({reason})"
-
-
-def _with_needs(reg, records):
-    """Warn on each applied/pending/ready patch whose ``needs`` are off, drifted or out of range here."""
-    by_id = {r.id: r for r in records}
-    out = []
-    for rec in records:
-        spec = reg.specs.get(rec.id)
-        warnings = []
-        if spec is not None and rec.state in (State.APPLIED, State.PENDING, State.READY):
-            for other in spec.needs:
-                o = by_id.get(other)
-                why = needed_problem(o.state, o.cause, o.reason) if o is not None else "not in the registry"
-                if why:
-                    warnings.append(f"needs {other} on this stack, which is {why}: {rec.id} alone is not correct here")
-        if warnings:
-            rec = dataclasses.replace(rec, warnings=tuple(warnings),
-                                      reason=rec.reason + "; WARNING: " + "; ".join(warnings))
-        out.append(rec)
-    return out
-
-
 def status():
     """One PatchStatus per registry entry, for this process.
 
@@ -114,7 +81,7 @@ def status():
                                      decision.cause))
             else:  # active, heavy half not started yet: nothing imported so far
                 out.append(_record(spec, decision.state, decision.explain(), decision, cause=decision.cause))
-    return _with_needs(reg, out)
+    return needs.with_needs(reg, out)
 
 
 def doctor():
@@ -123,9 +90,7 @@ def doctor():
     Deactivates the shim in this process first. Returns PatchStatus records; ``state == "ready"`` means the
     patch would apply cleanly.
     """
-    import importlib
-
-    from . import gates
+    from . import applying, gates
 
     engine.deactivate()
     reg = registry.load()
@@ -135,35 +100,37 @@ def doctor():
     out = []
     for spec in reg.specs.values():
         decision = gates.decide(spec, master=True)
-        result, reason, cause, found = decision.state, decision.explain(), decision.cause, []
+        result, reason, cause = decision.state, decision.explain(), decision.cause
         if decision.state is State.PENDING:
-            checked, unimportable = [], []
-            result = State.READY
-            for target in spec.targets:
-                try:
-                    module = importlib.import_module(target)
-                except ImportError as exc:  # e.g. an NPU-only module on a GPU host: never imported there
-                    unimportable.append(f"{target} ({type(exc).__name__}: {exc})")
-                    continue
-                except Exception as exc:
-                    result, reason = State.FAILED, f"importing {target} failed: {type(exc).__name__}: {exc}"
-                    break
-                checked.append(target)
-                rt = engine.check_target(spec, decision, target, module)
-                found.extend(f for f in rt.found if f not in found)
-                if rt.state is not State.READY:
-                    result, reason, cause = rt.state, decision.explain(rt.reason, found), rt.cause
-                    break
-            if result is State.READY and not checked:  # nothing was checked: it cannot be called ready
+            run = applying.dry_run(spec, decision, _import_target)
+            result, cause = run.state, run.cause
+            unimportable = "; ".join(f"{target} ({why})" for target, why in run.absent)
+            if result is not State.READY:
+                reason = decision.explain(run.reason, run.found)
+            elif not run.checked:  # nothing was checked: it cannot be called ready
                 result = State.FAILED
                 reason = decision.explain("no target could be imported here, so nothing was checked: " +
-                                          "; ".join(unimportable), found)
-            elif result is State.READY:
-                reason = decision.explain("checks passed for " + ", ".join(checked), found)
+                                          unimportable, run.found)
+            else:
+                reason = decision.explain("checks passed for " + ", ".join(run.checked), run.found)
                 if unimportable:
-                    reason += "; not importable here: " + "; ".join(unimportable)
+                    reason += "; not importable here: " + unimportable
         out.append(_record(spec, result, reason, decision, cause=cause))
-    return _with_needs(reg, out)
+    return needs.with_needs(reg, out)
+
+
+def _import_target(target):
+    """``doctor``'s way to load a target for the dry run: import it (an ImportError: not importable here)."""
+    import importlib
+
+    from . import applying
+
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:  # e.g. an NPU-only module on a GPU host: never imported there
+        raise applying.Absent(f"{type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        raise applying.LoadFailed(f"importing {target} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def inactive_reason(environ=None):

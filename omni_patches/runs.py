@@ -4,7 +4,8 @@ One :class:`PatchRun` per patch and activation (``deactivate()`` and a new ``act
 engine keeps its lifecycle fields (state, reason, cause, what it installed); the patch keeps what it learns at
 call time on it -- notes shown in ``status``, fallbacks, counters, and any per-activation data
 (:attr:`PatchRun.data`) -- never in module globals, so undo and a new activation leave nothing behind.
-Readers (status, doctor, the process record) see it through :func:`omni_patches.engine.snapshot`.
+Readers (status, doctor, the process record) see it through :func:`omni_patches.engine.snapshot`; the engine
+hands the process record's refresh in as ``on_note``, so a note shows there too.
 """
 import threading
 
@@ -16,9 +17,9 @@ MAX_FALLBACK_NOTES = 8
 
 class PatchRun:
     __slots__ = ("patch_id", "decision", "state", "reason", "cause", "applied_targets", "records", "by_target",
-                 "found", "notes", "fallbacks", "counts", "data", "_lock")
+                 "found", "notes", "fallbacks", "counts", "data", "on_note", "_lock")
 
-    def __init__(self, patch_id, decision):
+    def __init__(self, patch_id, decision, on_note=None):
         self.patch_id = patch_id
         self.decision = decision
         self.state, self.reason, self.cause = State(decision.state), decision.reason, decision.cause
@@ -30,15 +31,16 @@ class PatchRun:
         self.fallbacks = []  # distinct reasons a wrapper ran the original code
         self.counts = {}  # key -> how many times it happened (run.count)
         self.data = {}  # the patch's own per-activation state (e.g. objects to restore at undo)
+        self.on_note = on_note  # called after a new note (the engine's: rewrite the process record); never raises
         self._lock = threading.Lock()
 
     @classmethod
-    def standalone(cls, patch_id):
+    def standalone(cls, patch_id, on_note=None):
         """A record outside any activation: for a patch's builder called directly (a test, a benchmark); what
         it notes stays on the object."""
         from .gates import Decision
 
-        return cls(patch_id, Decision(State.APPLIED, "outside the engine", {}, True))
+        return cls(patch_id, Decision(State.APPLIED, "outside the engine", {}, True), on_note)
 
     def set(self, state, reason, cause=None):
         self.state, self.reason, self.cause = State(state), reason, cause
@@ -62,9 +64,8 @@ class PatchRun:
                 if self.notes.get(key) == text:
                     return True
                 self.notes[key] = text
-            from . import proof
-
-            proof.refresh()  # the process record shows it too (a no-op until something applied; never raises)
+            if self.on_note is not None:
+                self.on_note()  # the process record shows it too (a no-op until something applied)
             return True
         except Exception:  # pragma: no cover - a note must never break the caller
             return False

@@ -25,10 +25,6 @@ class State(_Word):
     INACTIVE = "inactive"  # the shim is not active in this process; ``would`` says what it would be
     REVERTED = "reverted"  # applied, but what it installed is no longer in place (its module reloaded): stock runs
 
-    @property
-    def skipped(self):
-        return is_skipped(self)
-
 
 class Cause(_Word):
     """Why a patch is skipped (``None`` for the other states): decided by a gate or by the patch's features."""
@@ -44,7 +40,8 @@ class Cause(_Word):
 
 
 STATES = tuple(State)
-# A needed patch in one of these leaves the patch that needs it correct (see reports.needed_problem).
+# The code has no bug to fix: a skip for these is news, not a problem (logged at INFO, audit's "skip: ..." verdicts),
+# and a needed patch skipped for one leaves the patch that needs it correct (needs.needed_problem).
 HARMLESS_CAUSES = (Cause.FIXED_UPSTREAM, Cause.NOT_AFFECTED)
 
 

@@ -164,10 +164,10 @@ def test_ctx_stock_notes_then_runs_the_original_with_its_outcome():
 
 
 def test_a_note_failure_never_reaches_the_wrapper(mocker):
-    from omni_patches import proof
+    from omni_patches.runs import PatchRun
 
-    mocker.patch.object(proof, "refresh", side_effect=RuntimeError("broken"))
-    run = _run()
+    # on_note: what the engine hands in (the process record's refresh), broken here
+    run = PatchRun.standalone("p", on_note=mocker.Mock(side_effect=RuntimeError("broken")))
     assert run.fallback("x") is True  # no exception
     assert run.note("y") is False
 

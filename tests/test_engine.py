@@ -518,27 +518,25 @@ def test_plugin_respects_master_switch(shim):
 def test_log_level_variable(monkeypatch, value, level, warns):
     from omni_patches import log
 
-    logger = logging.getLogger(log.NAME)
-    saved = (logger.level, list(logger.handlers), logger.propagate, log._configured)
+    logger = log.get()  # configured as every other test finds it: restored below
+    saved = (logger.level, list(logger.handlers), logger.propagate)
     monkeypatch.setenv("OMNI_PATCHES_LOG_LEVEL", value)
     logger.handlers.clear()
-    log._configured = False
     try:
         records = []
-        got = log.get()
+        got = log.configure()
         handler = logging.Handler()
         handler.emit = records.append
         got.addHandler(handler)
         assert got.level == level
-        log._configured = False  # configure again with our handler attached to see the warning
-        log.forget()  # ... which is logged once per process
+        log.forget()  # configure again with our handler attached to see the warning, logged once per process
         logger.handlers[:] = [handler]
-        log.get()
+        log.configure()
         assert any("is not a logging level" in r.getMessage() for r in records) is warns
     finally:
         logger.setLevel(saved[0])
         logger.handlers[:] = saved[1]
-        logger.propagate, log._configured = saved[2], saved[3]
+        logger.propagate = saved[2]
 
 
 # -- source builds and assumed versions (issue 14) -----------------------------------------------------

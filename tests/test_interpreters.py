@@ -79,8 +79,10 @@ def test_set_is_lazy_then_patches_on_import(venv):
 
 
 #: What ``OMNI_PATCHES=1`` may import at interpreter start, besides builtin modules (engine.py's start-up path).
-START_UP_MODULES = {"omni_patches", "omni_patches._bootstrap", "omni_patches.flags", "omni_patches.engine",
-                    "omni_patches.registry"}
+#: ``_version``: the package's ``__version__`` in a module of its own (one line), which the process record reads
+#: without importing the package's front, whose calls import the engine (tests/test_layers.py: no cycle).
+START_UP_MODULES = {"omni_patches", "omni_patches._version", "omni_patches._bootstrap", "omni_patches.flags",
+                    "omni_patches.engine", "omni_patches.registry"}
 
 
 def test_set_imports_only_the_start_up_modules_and_builtins(venv):

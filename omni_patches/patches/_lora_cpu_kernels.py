@@ -344,7 +344,7 @@ def _onednn_allows(cap, needed):
     return _ONEDNN_ISAS.index(value) >= _ONEDNN_ISAS.index(needed)
 
 
-def _mkldnn_enabled():
+def mkldnn_enabled():
     try:
         import torch
 
@@ -365,7 +365,7 @@ def capability(name):
         cap = onednn_cap()
         if cap is not None and not _onednn_allows(cap[1], _ONEDNN_NEEDS[name]):
             return False, f"no native {name}: {'/'.join(have)}, but oneDNN capped to {cap[1]} by {cap[0]}"
-        if not _mkldnn_enabled():
+        if not mkldnn_enabled():
             return False, f"no native {name}: {'/'.join(have)}, but torch's oneDNN is unavailable or off"
         return True, f"native {name}: {'/'.join(have)}; ATen {aten}"
     if arch == "arm":

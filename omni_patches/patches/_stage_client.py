@@ -20,19 +20,19 @@ _LOG = logging.getLogger("omni_patches")
 SEND_FIX = ("NOBLOCK", "DONTWAIT", "SNDTIMEO")
 
 
-def sends_without_blocking(fn):
-    """The names of :data:`SEND_FIX` that ``fn``'s code uses (empty: it sends blocking, or not at all)."""
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    return sorted(set(getattr(code, "co_names", ())).intersection(SEND_FIX))
-
-
-def code_names(ctx, path):
-    """``co_names`` of the plain function at ``path`` in the target; drift if it is not one."""
+def send_names(ctx, path):
+    """``co_names`` of the plain function at ``path`` in the target (drift if it is not one); fixed upstream
+    (``ctx.fixed_upstream``) when it already sends without blocking: it names one of :data:`SEND_FIX`, as
+    upstream's fix does."""
     fn = ctx.resolve(path)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
         ctx.drift(f"{path} is not a plain function")
-    return set(code.co_names)
+    names = set(code.co_names)
+    found = sorted(names.intersection(SEND_FIX))
+    if found:
+        ctx.fixed_upstream(f"{path} already sends without blocking ({', '.join(found)})")
+    return names
 
 
 def request_socket_wiring(cls):

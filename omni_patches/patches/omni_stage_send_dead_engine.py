@@ -37,10 +37,7 @@ def check(ctx):
         ctx.fixed_upstream("StageDiffusionClient sends through _send_request (0.31.0rc1+)")
     sc.not_affected_unless_bound(ctx)  # in-process (0.18.0) or connect()ed (0.20.0rc1-0.23.0rc1): never blocks
     for name in _METHODS:
-        names = sc.code_names(ctx, f"StageDiffusionClient.{name}")
-        found = sorted(names.intersection(sc.SEND_FIX))
-        if found:
-            ctx.fixed_upstream(f"StageDiffusionClient.{name} already sends without blocking ({', '.join(found)})")
+        names = sc.send_names(ctx, f"StageDiffusionClient.{name}")
         if not {"_request_socket", "send"} <= names:
             ctx.drift(f"StageDiffusionClient.{name} no longer sends on self._request_socket")
         if not ctx.resolve(f"StageDiffusionClient.{name}").__code__.co_flags & 0x80:  # CO_COROUTINE
@@ -54,9 +51,9 @@ def check(ctx):
 
 def apply(ctx):
     dead_error, zmq = ctx.module.EngineDeadError, ctx.module.zmq
-    ctx.wrap("StageDiffusionClient", "add_request_async", _sender(ctx.run, dead_error, zmq, rpc=False))
-    ctx.wrap("StageDiffusionClient", "collective_rpc_async", _sender(ctx.run, dead_error, zmq, rpc=True))
-    ctx.wrap("StageDiffusionClient", "abort_requests_async", _aborter(ctx.run, zmq))
+    ctx.wrap("StageDiffusionClient", "add_request_async", sender(ctx.run, dead_error, zmq, rpc=False))
+    ctx.wrap("StageDiffusionClient", "collective_rpc_async", sender(ctx.run, dead_error, zmq, rpc=True))
+    ctx.wrap("StageDiffusionClient", "abort_requests_async", aborter(ctx.run, zmq))
 
 
 def _unexpected(client):
@@ -90,7 +87,7 @@ def _first_step(client, wrapped, args, kwargs):
         sc.restore(sock, previous)
 
 
-def _sender(run, dead_error, zmq, *, rpc):
+def sender(run, dead_error, zmq, *, rpc):
     """Wrapper for the methods 0.31.0rc1 sends through ``_send_request`` (add_request_async, collective_rpc_async)."""
 
     async def send_or_raise(wrapped, instance, args, kwargs):
@@ -121,7 +118,7 @@ def _sender(run, dead_error, zmq, *, rpc):
     return send_or_raise
 
 
-def _aborter(run, zmq):
+def aborter(run, zmq):
     async def abort_or_drop(wrapped, instance, args, kwargs):
         why = _unexpected(instance)
         if why is not None:

@@ -29,10 +29,7 @@ _LOG = logging.getLogger("omni_patches")
 
 
 def check(ctx):
-    names = sc.code_names(ctx, "StageDiffusionClient.shutdown")
-    found = sorted(names.intersection(sc.SEND_FIX))
-    if found:
-        ctx.fixed_upstream(f"StageDiffusionClient.shutdown already sends without blocking ({', '.join(found)})")
+    names = sc.send_names(ctx, "StageDiffusionClient.shutdown")
     sc.not_affected_unless_bound(ctx)  # in-process (0.18.0) or connect()ed (0.20.0rc1-0.23.0rc1): never blocks
     if not {"_request_socket", "send"} <= names:
         ctx.drift("StageDiffusionClient.shutdown no longer sends on self._request_socket")
@@ -41,7 +38,7 @@ def check(ctx):
 
 
 def apply(ctx):
-    ctx.wrap("StageDiffusionClient", "shutdown", functools.partial(_shutdown, ctx.run))
+    ctx.wrap("StageDiffusionClient", "shutdown", functools.partial(shutdown, ctx.run))
 
 
 def _nonblocking(run, client, sock):
@@ -68,7 +65,7 @@ def _report_dead_peer(run, client, sock, zmq):
         pass
 
 
-def _shutdown(run, wrapped, instance, args, kwargs):
+def shutdown(run, wrapped, instance, args, kwargs):
     sock = getattr(instance, "_request_socket", None)
     previous = _nonblocking(run, instance, sock)
     if previous is None:  # e.g. a second shutdown(): stock's send fails on the closed socket and goes on

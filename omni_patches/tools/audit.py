@@ -508,7 +508,7 @@ def run(dists, reg=None):
             enabled, why = flags.patch_switch(spec.id, spec.default)
             installed = {dist: getattr(by_name.get(canonical(dist)), "version", None) for dist in spec.requires}
             decision = gates.decide(spec, master=True, environ={**os.environ, flags.env_name(spec.id): "1"},
-                                    installed=installed)
+                                    installed=installed, seen="audited")
             notes = [] if enabled else [why]
             if decision.state is State.FAILED:
                 results.append(Result(spec.id, enabled, FAILED, decision.reason, notes))
@@ -519,8 +519,7 @@ def run(dists, reg=None):
                 continue
             if decision.state is State.VERSION:
                 verdict = FIXED if decision.cause is Cause.FIXED_UPSTREAM else OUT_OF_RANGE
-                reason = decision.explain().replace("(installed ", "(audited ")
-                results.append(Result(spec.id, enabled, verdict, reason, notes))
+                results.append(Result(spec.id, enabled, verdict, decision.explain(), notes))
                 continue
             if decision.state is not State.PENDING:  # pragma: no cover - decide() forced on cannot say disabled
                 results.append(Result(spec.id, enabled, FAILED, decision.reason, notes))
@@ -530,47 +529,70 @@ def run(dists, reg=None):
 
 
 def _dry_run(spec, decision, enabled, imports, notes):
-    """The engine's own dry run (:func:`omni_patches.engine.check_target`) on each target's skeleton."""
-    import importlib
+    """The engine's own dry run (:func:`omni_patches.applying.dry_run`, as ``doctor``'s) on each target's
+    skeleton."""
+    from .. import applying
+    from ..states import HARMLESS_CAUSES, Cause, State
 
-    from .. import engine
-    from ..states import Cause, State
-    from . import skeleton
-
-    checked, missing, external, found = [], [], set(), []
-    for target in spec.targets:
-        if not imports.exists(target):
-            missing.append(target)
-            continue
-        try:
-            module = importlib.import_module(target)
-        except SyntaxError as exc:
-            return Result(spec.id, enabled, FAILED,
-                          f"cannot read {target} ({exc.filename}:{exc.lineno}: {exc.msg})", notes)
-        except Exception as exc:
-            return Result(spec.id, enabled, FAILED,
-                          f"cannot build the skeleton of {target}: {type(exc).__name__}: {exc}", notes)
-        skeleton.consulted.clear()  # only what the patch itself looks at
-        rt = engine.check_target(spec, decision, target, module)
-        external |= skeleton.consulted
-        if rt.state is not State.READY:
-            verdict = {Cause.FIXED_UPSTREAM: FIXED, Cause.NOT_AFFECTED: NOT_AFFECTED}.get(
-                rt.cause, DRIFTED if rt.state is State.DRIFTED else FAILED)
-            reason = rt.reason
-            if rt.cause in (Cause.FIXED_UPSTREAM, Cause.NOT_AFFECTED):
-                reason = f"{target}: " + reason.partition(": ")[2]  # the patch's own words, after the cause
-            return Result(spec.id, enabled, verdict, decision.explain(reason), notes)
-        found.extend(f for f in rt.found if f not in found)
-        checked.append(target)
-    if not checked:
+    skeletons = _Skeletons(imports)
+    run = applying.dry_run(spec, decision, skeletons.load)
+    external = skeletons.done()
+    if run.state is not State.READY:
+        verdict = {Cause.FIXED_UPSTREAM: FIXED, Cause.NOT_AFFECTED: NOT_AFFECTED}.get(
+            run.cause, DRIFTED if run.state is State.DRIFTED else FAILED)
+        # the verdict names the cause: the patch's own words follow the target
+        reason = f"{run.target}: {run.words}" if run.cause in HARMLESS_CAUSES else run.reason
+        return Result(spec.id, enabled, verdict, decision.explain(reason), notes)
+    missing = [target for target, _ in run.absent]
+    if not run.checked:
         return Result(spec.id, enabled, ABSENT, "no target file in the given files: " + ", ".join(missing),
                       notes)
-    detail = decision.explain(", ".join(f"{d} {v}" for d, v in decision.installed.items()), found)
+    detail = decision.explain(", ".join(f"{d} {v}" for d, v in decision.installed.items()), run.found)
     if missing:
         notes.append("not in these files (skipped, as at run time): " + ", ".join(missing))
     if external:
         notes.append(f"not checked (outside the given distributions): {_grouped(external)}")
     return Result(spec.id, enabled, WOULD_APPLY, detail, notes)
+
+
+class _Skeletons:
+    """How the dry run loads each target here: its skeleton, built from the given files; and what the patch's
+    checks looked up outside them (``skeleton.consulted``, kept per target: building a skeleton consults too)."""
+
+    def __init__(self, imports):
+        self.imports, self.external, self.checking = imports, set(), False
+
+    def load(self, target):
+        import importlib
+
+        from .. import applying
+        from . import skeleton
+
+        self._collect()  # the dry run is done with the previous target
+        if not self.imports.exists(target):
+            raise applying.Absent()
+        try:
+            module = importlib.import_module(target)
+        except SyntaxError as exc:
+            raise applying.LoadFailed(f"cannot read {target} ({exc.filename}:{exc.lineno}: {exc.msg})") from exc
+        except Exception as exc:
+            raise applying.LoadFailed(f"cannot build the skeleton of {target}: {type(exc).__name__}: {exc}") \
+                from exc
+        skeleton.consulted.clear()  # only what the patch itself looks at
+        self.checking = True
+        return module
+
+    def _collect(self):
+        from . import skeleton
+
+        if self.checking:
+            self.external |= skeleton.consulted
+            self.checking = False
+
+    def done(self):
+        """Everything the patch's checks looked up outside the given distributions."""
+        self._collect()
+        return self.external
 
 
 def _grouped(names):

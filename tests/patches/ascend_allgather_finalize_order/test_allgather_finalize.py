@@ -32,6 +32,7 @@ from omni_patches import registry
 from omni_patches.tools import audit
 from omni_patches.context import Drift, FixedUpstream, PatchContext
 from omni_patches.patches import ascend_allgather_finalize_order as patch
+from omni_patches.runs import PatchRun
 from patches.ascend_allgather_finalize_order import ascend_finalize as af
 from patches.ascend_allgather_finalize_order import ascend_finalize_world as world
 from support import wheels
@@ -304,7 +305,7 @@ def test_anything_unexpected_runs_the_stock_method_once(in_process, mocker, brok
     assert layout is not None and layout.guard == "prefill_context_parallel_enable", why
     layout.prepare_pads_pcp = True
     spy = mocker.MagicMock(side_effect=RuntimeError("stock ran"))
-    ours = patch.make_finalize(spy, vars(module), layout)
+    ours = patch.make_finalize(spy, vars(module), layout, PatchRun.standalone(patch.PATCH_ID))
     calls = []
     af.set_groups(_Group("dp", calls), _Group("pcp", calls))
     obj = _instance(module)

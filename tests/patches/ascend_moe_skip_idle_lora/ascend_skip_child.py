@@ -155,7 +155,7 @@ def main():
     out["wrapper_errors"] = errors
     from omni_patches.patches import ascend_moe_skip_idle_lora as patch
 
-    out["kinds"] = {label: patch._freshness(wcls) for label, wcls in wrappers.items()}
+    out["kinds"] = {label: patch.freshness(wcls) for label, wcls in wrappers.items()}
     out["runs"] = {}
     for (wlabel, wcls), (sequence, suffix) in [(w, s) for w in wrappers.items()
                                                for s in ((SEQUENCE, ""), (OMNI_ONLY, " (omni only)"))]:

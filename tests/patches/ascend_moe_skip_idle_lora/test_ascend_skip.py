@@ -15,6 +15,7 @@ import types
 import pytest
 
 from omni_patches.patches import ascend_moe_skip_idle_lora as patch
+from omni_patches.runs import PatchRun
 from support import ascend_real
 from patches.ascend_moe_skip_idle_lora.ascend_skip_child import OMNI_ONLY, SEQUENCE
 
@@ -152,6 +153,11 @@ def _idle(ctx):
     return ctx
 
 
+def _run():
+    """The record a builder's notes go to when a test calls it directly (the engine passes ``ctx.run``)."""
+    return PatchRun.standalone(patch.PATCH_ID)
+
+
 @pytest.mark.parametrize("sig", [
     "self, hidden_states, router_logits, return_with_event=False",
     "self, *, hidden_states, router_logits, input_ids=None",
@@ -160,7 +166,7 @@ def _idle(ctx):
 def test_generated_forwarder_keeps_the_signature(sig):
     ns = {}
     exec(f"def forward_impl({sig}):\n    return self.__dict__.get('{patch.KEY}')", ns)
-    skip = patch.make_skip(ns["forward_impl"], "self")
+    skip = patch.make_skip(ns["forward_impl"], "self", _run())
     assert str(inspect.signature(skip)) == str(inspect.signature(ns["forward_impl"]))
 
 
@@ -170,7 +176,7 @@ def test_set_lora_context_during_the_forward_wins():
             self.__dict__[patch.KEY] = new  # set_lora_context() from inside the forward
             return "ran"
 
-    Runner.forward_impl = patch.make_skip(Runner.forward_impl, "self")
+    Runner.forward_impl = patch.make_skip(Runner.forward_impl, "self", _run())
     r, new = Runner(), _ctx()
     r.__dict__[patch.KEY] = _idle(_ctx())
     assert r.forward_impl(1, 2) == "ran" and r.__dict__[patch.KEY] is new
@@ -191,18 +197,18 @@ def test_unknown_wrapper_shapes_are_never_trusted():
             super().update_metadata(mapping)
             self.extra = 1
 
-    assert patch._freshness(NoRecompute) == patch.NEVER
-    assert patch._freshness(Conditional) == patch.NEVER
-    assert patch._freshness(object) == patch.NEVER
-    assert patch._freshness(_Wrapper) == patch.PREFILL
-    assert patch._freshness(Delegating) == patch.PREFILL
+    assert patch.freshness(NoRecompute) == patch.NEVER
+    assert patch.freshness(Conditional) == patch.NEVER
+    assert patch.freshness(object) == patch.NEVER
+    assert patch.freshness(_Wrapper) == patch.PREFILL
+    assert patch.freshness(Delegating) == patch.PREFILL
 
 
 def test_fallback_hides_the_argument_only_when_fresh():
     def unquant_apply_mlp(hidden_states, w1, lora_context=None):
         return lora_context
 
-    skip = patch.make_arg_skip(unquant_apply_mlp)
+    skip = patch.make_arg_skip(unquant_apply_mlp, _run())
     idle, busy = _idle(_ctx()), _ctx()
     busy.punica_wrapper.update_metadata(types.SimpleNamespace(is_prefill=True, index_mapping=(1, 0)))
     assert skip(1, 2, lora_context=idle) is None

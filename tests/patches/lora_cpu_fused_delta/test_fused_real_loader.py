@@ -75,7 +75,7 @@ def test_which_weights_the_fused_path_writes_into():
 
     from omni_patches.patches import lora_cpu_fused_delta as F
 
-    F._load_torch()
+    F.load_torch()
 
     class Tagged(torch.nn.Parameter):  # e.g. set_weight_attrs-style extra attributes only
         pass

@@ -50,7 +50,7 @@ def fresh(monkeypatch):
 @pytest.fixture
 def cpu(mocker):
     """Pretend to be another CPU: ``cpu(cpuinfo_text, aten="AVX512")``."""
-    mocker.patch.object(K, "_mkldnn_enabled", return_value=True)
+    mocker.patch.object(K, "mkldnn_enabled", return_value=True)
 
     def use(text, aten="AVX512"):
         mocker.patch.object(K, "read_cpuinfo", return_value=text)
@@ -103,7 +103,7 @@ def test_a_onednn_isa_cap_takes_native_units_away(cpu, monkeypatch, var, cap, bf
 
 def test_without_onednn_nothing_is_native(cpu, mocker):
     cpu(XEON_SPR)
-    mocker.patch.object(K, "_mkldnn_enabled", return_value=False)
+    mocker.patch.object(K, "mkldnn_enabled", return_value=False)
     assert K.capability("bf16") == (False, "no native bf16: avx512_bf16/amx_bf16, but torch's oneDNN is "
                                            "unavailable or off")
 

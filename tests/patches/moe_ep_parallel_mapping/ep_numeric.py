@@ -211,8 +211,8 @@ def _control(name: str | None, omni_version: str):
     elif name == "swap_sp_tp":
         mod = importlib.import_module(PATCH_MODULE)
         swap = {"sp": "tp", "tp": "sp"}
-        groups = tuple((attr, swap.get(tok, tok), gname) for attr, tok, gname in mod._GROUPS)
-        with mock.patch.object(mod, "_GROUPS", groups):
+        groups = tuple((attr, swap.get(tok, tok), gname) for attr, tok, gname in mod.GROUPS)
+        with mock.patch.object(mod, "GROUPS", groups):
             yield
     elif name == "no_dp_metadata":
         stack = ExitStack()
@@ -220,7 +220,7 @@ def _control(name: str | None, omni_version: str):
         if hasattr(fused, "_set_forward_context_dp_metadata"):  # 0.24.0's pre-hook looks the name up per call
             stack.enter_context(mock.patch.object(fused, "_set_forward_context_dp_metadata", lambda n: None))
         mod = importlib.import_module(PATCH_MODULE)
-        stack.enter_context(mock.patch.object(mod, "_fill_dp_metadata", lambda st, n: None))
+        stack.enter_context(mock.patch.object(mod, "fill_dp_metadata", lambda st, n: None))
         with stack:
             yield
     elif name == "combine_pcp_first":

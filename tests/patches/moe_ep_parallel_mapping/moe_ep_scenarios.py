@@ -492,4 +492,8 @@ def _alive(g):
 
 def _patch_ranks():
     mod = sys.modules.get("omni_patches.patches.moe_ep_parallel_mapping")
-    return None if mod is None else mod.get_expert_parallel_group_ranks()
+    if mod is None:
+        return None
+    from omni_patches import engine
+
+    return mod.get_expert_parallel_group_ranks(engine.run(mod.PATCH_ID))

@@ -463,7 +463,7 @@ def ascend(mocker, monkeypatch):
         if utils is not None:
             monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
         once, run = mocker.spy(log, "once"), PatchRun.standalone(PATCH_ID)
-        mod._warn_ascend_context_parallel_off(run)
+        mod.warn_ascend_context_parallel_off(run)
         warned = [c for c in once.call_args_list if c.args[1] == (PATCH_ID, "ascend-cp")]
         assert len(warned) == len(run.notes) <= 1
         if warned:
@@ -524,7 +524,7 @@ def test_ascend_warning_never_raises(mocker):
     from omni_patches.patches import moe_ep_parallel_mapping as mod
 
     mocker.patch.object(versions, "installed", side_effect=RuntimeError("metadata broken"))
-    mod._warn_ascend_context_parallel_off(mocker.Mock())
+    mod.warn_ascend_context_parallel_off(mocker.Mock())
 
 
 def test_dp_metadata_builder_follows_the_field_set():
@@ -535,7 +535,7 @@ def test_dp_metadata_builder_follows_the_field_set():
 
     import torch
 
-    from omni_patches.patches.moe_ep_parallel_mapping import _dp_metadata_factory
+    from omni_patches.patches.moe_ep_parallel_mapping import dp_metadata_factory
 
     @dataclass
     class Later:
@@ -553,10 +553,10 @@ def test_dp_metadata_builder_follows_the_field_set():
         num_tokens_across_dp_cpu: torch.Tensor
         ranks_per_node: int
 
-    md = _dp_metadata_factory(SimpleNamespace(DPMetadata=Later))([3, 5])
+    md = dp_metadata_factory(SimpleNamespace(DPMetadata=Later))([3, 5])
     assert md.num_tokens_across_dp_cpu.tolist() == [3, 5] and md.num_tokens_across_dp_cpu.dtype == torch.int64
-    md = _dp_metadata_factory(SimpleNamespace(DPMetadata=Old))([7, 2])
+    md = dp_metadata_factory(SimpleNamespace(DPMetadata=Old))([7, 2])
     assert md.max_tokens_across_dp_cpu.item() == 7 and md.num_tokens_across_dp_cpu.tolist() == [7, 2]
-    assert _dp_metadata_factory(SimpleNamespace(DPMetadata=Unknown)) is None
-    assert _dp_metadata_factory(SimpleNamespace(DPMetadata=object)) is None
-    assert _dp_metadata_factory(SimpleNamespace()) is None
+    assert dp_metadata_factory(SimpleNamespace(DPMetadata=Unknown)) is None
+    assert dp_metadata_factory(SimpleNamespace(DPMetadata=object)) is None
+    assert dp_metadata_factory(SimpleNamespace()) is None

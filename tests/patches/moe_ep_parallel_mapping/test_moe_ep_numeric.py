@@ -209,7 +209,7 @@ def combine_warning(mocker):
 
         mocker.patch.object(versions, "installed", side_effect=installed)
         once, note = mocker.spy(log, "once"), mocker.Mock(name="run.note")
-        mod._warn_vllm_combine_order(mocker.Mock(note=note))
+        mod.warn_vllm_combine_order(mocker.Mock(note=note))
         calls = ([c for c in once.call_args_list if c.args[1] == (mod.PATCH_ID, "vllm-combine-order")],
                  note.call_args_list)
         mocker.stopall()
@@ -235,4 +235,4 @@ def test_combine_order_warning_never_raises(mocker):
     from omni_patches.patches import moe_ep_parallel_mapping as mod
 
     mocker.patch.object(versions, "installed", side_effect=RuntimeError("metadata broken"))
-    mod._warn_vllm_combine_order(mocker.Mock())
+    mod.warn_vllm_combine_order(mocker.Mock())

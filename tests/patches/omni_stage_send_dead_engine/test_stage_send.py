@@ -171,7 +171,7 @@ def test_no_room_while_the_process_lives_waits_and_sends_once(zmq, push, tmp_pat
     timer = threading.Timer(0.35, lambda: pull.connect(f"ipc://{tmp_path}/req"))  # the peer comes up late
     timer.start()
     try:
-        wrapper = p._sender(_run(), _Dead, zmq, rpc=True)
+        wrapper = p.sender(_run(), _Dead, zmq, rpc=True)
         assert asyncio.run(wrapper(stock, client, (), {})) == "sent"
         assert stock.call_count >= 2  # at least one try found no room
         assert pull.poll(5000) and pull.recv() == b"msg" and not pull.poll(200)
@@ -205,7 +205,7 @@ def test_resume_forwards_what_the_loop_sends_and_throws(zmq, push, tmp_path):
             raise
 
     client = _Client(push)
-    wrapper = p._sender(_run(), _Dead, zmq, rpc=False)
+    wrapper = p.sender(_run(), _Dead, zmq, rpc=False)
 
     async def main():
         task = asyncio.ensure_future(wrapper(lambda: _send_then(push, later)(client), client, (), {}))
@@ -241,7 +241,7 @@ def test_unexpected_clients_run_the_stock_call(zmq, push, what, mocker):
         return ("stock", args, kwargs)
 
     wrapped = mocker.Mock(side_effect=stock)
-    for wrapper in (p._sender(run, _Dead, zmq, rpc=True), p._aborter(run, zmq)):
+    for wrapper in (p.sender(run, _Dead, zmq, rpc=True), p.aborter(run, zmq)):
         assert asyncio.run(wrapper(wrapped, client, (1,), {"k": 2})) == ("stock", (1,), {"k": 2})
     assert wrapped.call_count == 2
     # one reason for both calls, noted once in status
@@ -257,5 +257,5 @@ def test_stock_errors_propagate_and_the_socket_option_is_restored(zmq, push):
         raise RuntimeError("upstream's own failure")
 
     with pytest.raises(RuntimeError, match="upstream's own failure"):
-        asyncio.run(p._sender(_run(), _Dead, zmq, rpc=False)(stock, _Client(push), (), {}))
+        asyncio.run(p.sender(_run(), _Dead, zmq, rpc=False)(stock, _Client(push), (), {}))
     assert push.getsockopt(zmq.SNDTIMEO) == 250

@@ -139,7 +139,7 @@ def test_stock_errors_propagate_and_the_socket_option_is_restored(zmq, push, moc
 
     wrapped = mocker.Mock(side_effect=stock)
     with pytest.raises(RuntimeError, match="upstream's own failure"):
-        p._shutdown(_run(), wrapped, _Client(push), (), {})
+        p.shutdown(_run(), wrapped, _Client(push), (), {})
     assert seen["sndtimeo"] == 0 and wrapped.call_count == 1
     assert push.getsockopt(zmq.SNDTIMEO) == 250
 
@@ -156,7 +156,7 @@ def test_unusable_socket_runs_the_stock_call(zmq, sock, mocker):
     else:
         obj = None if sock == "none" else object()
     wrapped = mocker.Mock(return_value="stock")
-    assert p._shutdown(_run(), wrapped, _Client(obj), (1,), {"k": 2}) == "stock"
+    assert p.shutdown(_run(), wrapped, _Client(obj), (1,), {"k": 2}) == "stock"
     wrapped.assert_called_once_with(1, k=2)
 
 
@@ -164,13 +164,13 @@ def test_drop_is_reported_only_without_a_peer(zmq, push, tmp_path, mocker):
     from omni_patches.patches import omni_stage_shutdown_nonblocking as p
 
     run = _run()
-    p._shutdown(run, mocker.Mock(), _Client(push), (), {})
+    p.shutdown(run, mocker.Mock(), _Client(push), (), {})
     assert run.counts == {"dropped": 1} and "dropped instead of blocking: 1 client(s)" in run.notes["dropped"]
     pull = push.context.socket(zmq.PULL)
     pull.connect(f"ipc://{tmp_path}/req")
     try:
         assert push.poll(5000, zmq.POLLOUT)
-        p._shutdown(run, mocker.Mock(), _Client(push), (), {})
+        p.shutdown(run, mocker.Mock(), _Client(push), (), {})
         assert run.counts == {"dropped": 1}  # a live peer takes the message: nothing to report
     finally:
         pull.close(linger=0)
