@@ -288,7 +288,7 @@ def _apply_api(ctx):
     ctx.wrap(found["omni_wakeup"], "endpoint", functools.partial(_omni_wakeup, ctx.run, http_error))
 
 
-_API_UNKNOWN = "an omni sleep / wakeup request or app state of a shape the wrapper was not built for"
+API_UNKNOWN = "an omni sleep / wakeup request or app state of a shape the wrapper was not built for"
 
 
 def _api_call(args, kwargs):
@@ -322,7 +322,7 @@ async def _omni_sleep(run, http_error, wrapped, instance, args, kwargs):
     call = _api_call(args, kwargs)
     recorded = getattr(getattr(call[2], "engine_client", None), "_sleeping_tags_for_stages", None) if call else None
     if call is None or not callable(recorded) or not hasattr(type(call[0]), "model_fields"):
-        return await run.stock(_API_UNKNOWN, wrapped, args, kwargs)
+        return await run.stock(API_UNKNOWN, wrapped, args, kwargs)
     request, _, state = call
     _validate(request)
     sleeping, before, precheck = state.sleeping_stages, set(state.sleeping_stages), False
@@ -336,17 +336,24 @@ async def _omni_sleep(run, http_error, wrapped, instance, args, kwargs):
         raise http_error(status_code=500, detail=f"Failed to sleep: {exc}") from exc
     finally:
         if not precheck:  # 0.31.0rc1: the stages the engine has on record, whatever the sleep did
-            for sid in request.stage_ids:
-                if recorded([sid]):
-                    sleeping.add(sid)
-                elif sid not in before:  # stock lists every requested stage after a return
-                    sleeping.discard(sid)
+            _list_recorded(run, request.stage_ids, recorded, sleeping, before)
+
+
+def _list_recorded(run, stage_ids, recorded, sleeping, before):
+    try:
+        for sid in stage_ids:
+            if recorded([sid]):
+                sleeping.add(sid)
+            elif sid not in before:  # stock lists every requested stage after a return
+                sleeping.discard(sid)
+    except Exception:  # never replace the call's own outcome: the set stays as stock left it
+        run.fallback("the engine's sleep record could not be read after /v1/omni/sleep")
 
 
 async def _omni_wakeup(run, http_error, wrapped, instance, args, kwargs):
     call = _api_call(args, kwargs)
     if call is None or not hasattr(type(call[0]), "model_fields"):
-        return await run.stock(_API_UNKNOWN, wrapped, args, kwargs)
+        return await run.stock(API_UNKNOWN, wrapped, args, kwargs)
     _validate(call[0])
     try:
         return await wrapped(*args, **kwargs)

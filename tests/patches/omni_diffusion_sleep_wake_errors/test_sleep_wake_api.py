@@ -16,7 +16,7 @@ import pytest
 from support import serving
 from support.omni_children import collect, start
 
-from patches.omni_diffusion_sleep_wake_errors.api_child import SEQUENCES
+from patches.omni_diffusion_sleep_wake_errors.api_child import FOREIGN, SEQUENCES
 
 pytestmark = pytest.mark.stack
 
@@ -83,6 +83,19 @@ def test_a_failed_sleep_stays_reachable_by_wakeup(runs, version):
     assert wake["status"] == 200 and wake["rpcs"] == ["handle_wake_task"]
     assert wake["paused"] is False and wake["api_sleeping"] == [] and wake["is_sleeping"] is False
     assert "/v1/omni/sleep: " in runs[version]["status_after"]["reason"]
+
+
+@pytest.mark.parametrize("version", AFFECTED)
+def test_an_engine_client_of_another_shape_gets_stock_answers(runs, version):
+    """The wrapper's rule: an input it was not built for (no sleep record to read) runs the stock handler as it is
+    -- around the engine half, which still raises: vLLM's own 500, then stock's SKIPPED -- and status says so once."""
+    from omni_patches.patches.omni_diffusion_sleep_wake_errors import API_UNKNOWN
+
+    res = runs[version]
+    name = FOREIGN[0]
+    assert [s["status"] for s in res["patched"][name]] == [500, 200]  # the engine raised; stock's wakeup SKIPPED
+    assert res["patched"][name][1]["body"] == {"status": "SKIPPED", "reason": "Target stages are not sleeping."}
+    assert res["status_after"]["reason"].count(API_UNKNOWN) == 1
 
 
 def test_fixed_release_skips_both_targets(runs):
