@@ -292,39 +292,46 @@ API_UNKNOWN = "an omni sleep / wakeup request or app state of a shape the wrappe
 
 
 def _api_call(args, kwargs):
-    """``(request, raw_request, app.state)`` of a handler call, or None when it is not what 0.28.0-0.30.0 pass."""
+    """``(request, app.state)`` of a handler call, or None when it is not what 0.28.0-0.30.0 pass (a pydantic
+    request with a ``stage_ids`` list, an app state with its ``sleeping_stages`` set)."""
     request, raw = _arg(args, kwargs, 0, "request"), _arg(args, kwargs, 1, "raw_request")
     state = getattr(getattr(raw, "app", None), "state", None)
-    if not isinstance(getattr(request, "stage_ids", None), list) or state is None \
-            or not isinstance(getattr(state, "sleeping_stages", None), set):
+    if not isinstance(getattr(request, "stage_ids", None), list) or not hasattr(type(request), "model_fields") \
+            or state is None or not isinstance(getattr(state, "sleeping_stages", None), set):
         return None
-    return request, raw, state
+    return request, state
 
 
-def _validate(request):
+def _validate(run, request):
     """0.31.0rc1's request models: ``stage_ids`` with at least one item, ``level`` >= 0 -- a 400 (FastAPI's
-    RequestValidationError, answered by the server's own handler) before anything is paused."""
+    RequestValidationError, answered by the server's own handler) before anything is paused. A request model this
+    cannot tighten is left as stock takes it."""
     from fastapi.exceptions import RequestValidationError
     from pydantic import Field, ValidationError, create_model
 
-    fields = {"stage_ids": (list[int], Field(..., min_length=1))}
-    if "level" in type(request).model_fields:
-        fields["level"] = (int, Field(default=2, ge=0))
-    strict = create_model(type(request).__name__, __base__=type(request), **fields)
     try:
-        strict.model_validate(request.model_dump())
+        fields = {"stage_ids": (list[int], Field(..., min_length=1))}
+        if "level" in type(request).model_fields:
+            fields["level"] = (int, Field(default=2, ge=0))
+        strict = create_model(type(request).__name__, __base__=type(request), **fields)
+        body = request.model_dump()
+    except Exception:
+        run.fallback("a request model 0.31.0rc1's limits could not be added to: not validated")
+        return
+    try:
+        strict.model_validate(body)
     except ValidationError as exc:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        raise RequestValidationError(errors, body=request.model_dump()) from None
+        raise RequestValidationError(errors, body=body) from None
 
 
 async def _omni_sleep(run, http_error, wrapped, instance, args, kwargs):
     call = _api_call(args, kwargs)
-    recorded = getattr(getattr(call[2], "engine_client", None), "_sleeping_tags_for_stages", None) if call else None
-    if call is None or not callable(recorded) or not hasattr(type(call[0]), "model_fields"):
+    recorded = getattr(getattr(call[1], "engine_client", None), "_sleeping_tags_for_stages", None) if call else None
+    if call is None or not callable(recorded):
         return await run.stock(API_UNKNOWN, wrapped, args, kwargs)
-    request, _, state = call
-    _validate(request)
+    request, state = call
+    _validate(run, request)
     sleeping, before, precheck = state.sleeping_stages, set(state.sleeping_stages), False
     try:
         return await wrapped(*args, **kwargs)
@@ -352,9 +359,9 @@ def _list_recorded(run, stage_ids, recorded, sleeping, before):
 
 async def _omni_wakeup(run, http_error, wrapped, instance, args, kwargs):
     call = _api_call(args, kwargs)
-    if call is None or not hasattr(type(call[0]), "model_fields"):
+    if call is None:
         return await run.stock(API_UNKNOWN, wrapped, args, kwargs)
-    _validate(call[0])
+    _validate(run, call[0])
     try:
         return await wrapped(*args, **kwargs)
     except NotImplementedError:
