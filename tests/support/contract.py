@@ -15,3 +15,12 @@ def run_child(case_ref: str, kind: str, index: int, timeout: int = 600) -> dict:
     interpreter; returns its report."""
     return check(case_ref, kind, index, pythonpath=[TESTS, TESTS.parent], cwd=TESTS, env=without_switches(),
                  timeout=timeout)
+
+
+def case_modules() -> dict:
+    """``{folder name: module}`` of every ``tests/patches/<module>/case.py`` (a folder needs no ``__init__.py``:
+    a new patch is its module, its case and one test)."""
+    import importlib
+
+    return {case.parent.name: importlib.import_module(f"patches.{case.parent.name}.case")
+            for case in sorted((TESTS / "patches").glob("*/case.py"))}

@@ -56,3 +56,14 @@ CASE = Case(
                     "get_dp_group().reduce_scatter(hidden_states, -1)"), "not a DP or PCP reduce-scatter"),
     ],
 )
+
+
+# What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
+# audits every release named here; the words are omni_patches.tools.audit's).
+VERDICTS = {
+    "vllm-ascend==0.9.1": "skip: out of range", "vllm-ascend==0.9.2rc1": "skip: out of range",
+    "vllm-ascend==0.18.0rc1": "would apply", "vllm-ascend==0.22.1rc1": "would apply",
+    "vllm-ascend==0.23.0rc1": "would apply", "vllm-ascend==0.23.0.post1": "would apply",
+    "vllm-ascend==0.24.0rc1": "skip: fixed upstream", "vllm-ascend==0.26.0rc1": "skip: fixed upstream",
+    "vllm-ascend==0.27.1rc1": "skip: fixed upstream", "vllm-ascend==0.30.0rc2": "skip: fixed upstream",
+}

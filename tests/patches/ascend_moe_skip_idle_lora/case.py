@@ -82,3 +82,16 @@ CASE = Case(
                     "    def routed_forward_impl(\n        self,\n        *,"), "AscendRoutedExperts has neither"),
     ],
 )
+
+
+# What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
+# audits every release named here; the words are omni_patches.tools.audit's).
+VERDICTS = {
+    "vllm-omni==0.22.0": "absent", "vllm-omni==0.24.0": "absent", "vllm-omni==0.28.0": "absent",
+    "vllm-omni==0.30.0": "absent", "vllm-omni==0.32.0rc1": "absent", "vllm-ascend==0.9.1": "skip: out of range",
+    "vllm-ascend==0.9.2rc1": "skip: out of range", "vllm-ascend==0.18.0rc1": "skip: out of range",
+    "vllm-ascend==0.22.1rc1": "skip: out of range", "vllm-ascend==0.23.0rc1": "would apply",
+    "vllm-ascend==0.23.0.post1": "would apply", "vllm-ascend==0.24.0rc1": "would apply",
+    "vllm-ascend==0.26.0rc1": "would apply", "vllm-ascend==0.27.1rc1": "would apply",
+    "vllm-ascend==0.30.0rc2": "would apply",
+}

@@ -54,3 +54,12 @@ CASE = Case(
                     imports=IMPORTS), "enable_expert_parallel"),
     ],
 )
+
+
+# What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
+# audits every release named here; the words are omni_patches.tools.audit's).
+VERDICTS = {
+    "vllm-omni==0.22.0": "would apply", "vllm-omni==0.24.0": "skip: fixed upstream",
+    "vllm-omni==0.28.0": "skip: fixed upstream", "vllm-omni==0.30.0": "skip: fixed upstream",
+    "vllm-omni==0.32.0rc1": "skip: fixed upstream",
+}

@@ -55,3 +55,12 @@ CASE = Case(
                     "def _publish_moe_lora_context(", "def _publish_lora_context("), "_publish_moe_lora_context"),
     ],
 )
+
+
+# What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
+# audits every release named here; the words are omni_patches.tools.audit's).
+VERDICTS = {
+    "vllm-omni==0.22.0": "skip: out of range", "vllm-omni==0.24.0": "skip: out of range",
+    "vllm-omni==0.28.0": "skip: out of range", "vllm-omni==0.30.0": "skip: out of range",
+    "vllm-omni==0.32.0rc1": "would apply",
+}

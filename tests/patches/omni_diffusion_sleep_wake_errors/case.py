@@ -51,3 +51,12 @@ CASE = Case(
     unexpected=[Unexpected(BASE, _sleep_answered_true,
                            note="a diffusion stage answered with something that is neither an ACK nor a dict")],
 )
+
+
+# What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
+# audits every release named here; the words are omni_patches.tools.audit's).
+VERDICTS = {
+    "vllm-omni==0.24.0": "skip: out of range", "vllm-omni==0.28.0": "would apply",
+    "vllm-omni==0.30.0": "would apply", "vllm-omni==0.32.0rc1": "skip: fixed upstream",
+    "vllm-omni==0.31.0rc1": "skip: fixed upstream", "vllm-omni==0.28.0rc1": "skip: out of range",
+}

@@ -68,3 +68,12 @@ CASE = Case(
     ],
     unexpected=[Unexpected(BASE, _executor_without_callbacks, note="the engine's executor takes no failure callback")],
 )
+
+
+# What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
+# audits every release named here; the words are omni_patches.tools.audit's).
+VERDICTS = {
+    "vllm-omni==0.22.0": "would apply", "vllm-omni==0.24.0": "would apply", "vllm-omni==0.30.0": "would apply",
+    "vllm-omni==0.32.0rc1": "skip: fixed upstream", "vllm-omni==0.31.0rc1": "skip: fixed upstream",
+    "vllm-omni==0.20.0": "skip: out of range",
+}

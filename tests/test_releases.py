@@ -1,0 +1,87 @@
+"""The public builder of release environments (``omni_patches.testing.releases``) and its stand-ins, on a real
+release: what an overlay author relies on without importing anything from ``tests/``."""
+import sys
+
+import pytest
+
+from omni_patches.testing import AUTO, Env, Release, fake, standins
+from support.wheels import fetch_or_skip
+
+ASYNC_OMNI = "vllm_omni/entrypoints/async_omni.py"
+
+
+def _real_async_omni():
+    """Run in the child: what the environment holds."""
+    import importlib.metadata as md
+
+    import vllm
+    from vllm_omni.entrypoints import async_omni
+
+    logger = sys.modules["vllm.logger"]
+    return {"version": md.version("vllm-omni"), "class": async_omni.AsyncOmni.__name__,
+            "file": async_omni.__file__, "vllm_standin": type(vllm).__name__,
+            "given": logger.init_logger("x") == "given", "auto_class": isinstance(logger.Anything, type)}
+
+
+@pytest.fixture(scope="module")
+def omni():
+    fetch_or_skip("vllm-omni", "0.30.0")
+    return Release("vllm-omni", "0.30.0", files=[ASYNC_OMNI], auto_standins=True,
+                   standins={"vllm.logger": "def init_logger(name):\n    return 'given'\n"})
+
+
+def test_a_release_holds_the_real_file_its_metadata_and_stand_ins(omni):
+    got = omni.call(_real_async_omni)
+    root = omni.root()
+    assert got["version"] == "0.30.0" and got["class"] == "AsyncOmni"
+    assert open(got["file"], "rb").read() == (root / ASYNC_OMNI).read_bytes()  # byte for byte the wheel's
+    assert got["vllm_standin"] == "AutoModule"  # not importable here as a whole: a permissive stand-in
+    assert got["given"] and got["auto_class"]  # a given definition wins; every other name exists
+
+
+def test_the_same_files_as_a_source_build(omni):
+    import dataclasses
+
+    src = dataclasses.replace(omni, metadata_version="0.30.1.dev4+g1a2b3c4d")
+    assert src.call(_real_async_omni)["version"] == "0.30.1.dev4+g1a2b3c4d"
+    assert src.directory() != omni.directory()
+
+
+def test_an_edited_copy_never_writes_into_the_release(omni):
+    base = omni.env()
+    edited = Env.edited("renamed", base, ASYNC_OMNI, "class AsyncOmni(", "class AsyncOmniRenamed(")
+    path = edited.paths()[0]
+    assert "class AsyncOmniRenamed(" in open(f"{path}/{ASYNC_OMNI}").read()
+    assert "class AsyncOmniRenamed(" not in (omni.root() / ASYNC_OMNI).read_text()
+    assert "class AsyncOmniRenamed(" not in open(f"{omni.directory()}/{ASYNC_OMNI}").read()
+
+
+def test_a_missing_file_is_loud():
+    fetch_or_skip("vllm-omni", "0.30.0")
+    with pytest.raises(FileNotFoundError, match="is not in vllm-omni==0.30.0"):
+        Release("vllm-omni", "0.30.0", files=["vllm_omni/no_such.py"]).paths()
+    assert Release("vllm-omni", "0.30.0", files=[ASYNC_OMNI, "vllm_omni/no_such.py?"]).paths()
+
+
+def test_a_made_up_distribution_is_written_as_is(tmp_path):
+    site = fake("fake-omni", "0.28.0", {"fakeomni": "", "fakeomni.loader": "def compute(x):\n    return 2 * x\n"})
+    site.write(tmp_path)
+    assert (tmp_path / "fakeomni" / "loader.py").read_text().startswith("def compute(x):")
+    assert "standins" not in (tmp_path / "fakeomni" / "loader.py").read_text()  # not permissive: exactly its code
+    assert "Version: 0.28.0" in (tmp_path / "fake_omni-0.28.0.dist-info" / "METADATA").read_text()
+
+
+def test_in_process_stand_ins_leave_sys_modules_as_they_were():
+    assert "torch_npu" not in sys.modules
+    with standins.modules({"torch_npu.npu": {"device_count": lambda: 0}}) as made:
+        import torch_npu
+
+        assert torch_npu.npu.device_count() == 0 and made["torch_npu"] is torch_npu
+        assert isinstance(torch_npu.anything_else, object) and isinstance(torch_npu.NPUStream, type)
+    assert "torch_npu" not in sys.modules and "torch_npu.npu" not in sys.modules
+
+
+def test_call_needs_a_module_level_function(omni):
+    with pytest.raises(ValueError, match="module-level function"):
+        omni.call(lambda: 1)
+    assert AUTO is None  # the marker of a whole-module stand-in
