@@ -230,6 +230,16 @@ def test_real_releases_match_each_patch_verdicts(dist, version, patch_id, verdic
     assert rc == 0
 
 
+def test_the_newest_vllm_alone_leaves_every_other_patch_absent():
+    """vLLM 0.34.0 (the newest release, 2026-12-04) has no vllm-omni or vllm-ascend release built for it: audited
+    alone, only a patch that gates on vLLM has a verdict of its own (its case's VERDICTS); every other is absent."""
+    rc, got = _real_audit(_release_archive("vllm", "0.34.0"))
+    for pid, spec in registry.load().specs.items():
+        if "vllm" not in spec.requires:
+            assert got[pid]["verdict"] == ABSENT, got[pid]
+    assert rc == 0
+
+
 def test_every_patch_states_its_verdicts():
     from support.contract import case_modules
 
