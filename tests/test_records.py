@@ -145,8 +145,11 @@ def restatements(spec, section, rec=None):
 @pytest.mark.parametrize("pid", sorted(SPECS))
 def test_docs_section_does_not_restate_the_record(pid):
     """docs/patches.md keeps how a patch is tested, findings and measurements; what it fixes, its upstream links,
-    affected range, how and when to remove it are the record's (shown by `omni-patches list --json`)."""
-    section = _sections(DOCS.read_text())[pid]
+    affected range, how and when to remove it are the record's (shown by `omni-patches list --json`). A section is
+    optional (CONTRIBUTING, "How to add a patch"): a patch without one has nothing to restate."""
+    section = _sections(DOCS.read_text()).get(pid)
+    if section is None:
+        pytest.skip(f"docs/patches.md has no section for {pid} (optional)")
     found = restatements(SPECS[pid], section)
     assert not found, f"docs/patches.md, section `{pid}`, restates its record ({SPECS[pid].module}): {found}"
 
@@ -161,7 +164,7 @@ def test_the_restatement_check_sees_pasted_record_text(pid):
     """The check is not a string equality: reflowed, re-marked-up record text is caught, field by field."""
     spec = SPECS[pid]
     rec = spec.prose()
-    section = _sections(DOCS.read_text())[pid]
+    section = _sections(DOCS.read_text()).get(pid, "")  # an optional section: the check reads pasted text alone
     dist, specifier = next(iter(spec.requires.items()))
     lower = re.search(r">=\s*([^,\s]+)", specifier).group(1)
     pasted = {

@@ -147,3 +147,18 @@ def test_run_code_with_the_shim_on_at_start_runs_fresh(tmp_path, mocker):
     out = contract.run_code("import sys; print('torch' in sys.modules)", env={**env, "OMNI_PATCHES": "1"},
                             cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "False" and not spy.called
+
+
+def test_threads_sharing_the_zygotes_each_get_their_own_answer(tmp_path, mocker):
+    """A zygote answers on one pipe, in order: two threads exchanging with it at once could read each other's
+    answer. Concurrent callers each get their own child's output (one forks, the others run fresh meanwhile)."""
+    import concurrent.futures
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES")}
+    fresh = mocker.spy(subprocess, "run")
+    code = "import sys, time; time.sleep(0.3); print('ANSWER', sys.argv[1]); raise SystemExit(int(sys.argv[1]) % 7)"
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        runs = list(pool.map(lambda i: contract.run_code(code, str(i), env=env, cwd=tmp_path, timeout=120), range(12)))
+    for i, proc in enumerate(runs):
+        assert proc.stdout.split() == ["ANSWER", str(i)] and proc.returncode == i % 7, (i, proc)
+    assert 0 < fresh.call_count < 12, "some ran in the zygote, the busy ones fresh"

@@ -205,7 +205,12 @@ class Zygotes:
     def __init__(self):
         import atexit
 
+        import threading
+
         self._procs = {}
+        # One request at a time per client: a zygote answers on one pipe in order, so two threads sharing it could
+        # each read the other's answer. A thread that finds it busy runs its child in a fresh interpreter instead.
+        self._busy = threading.Lock()
         atexit.register(self.close)  # end of input: every zygote leaves with this process
 
     @staticmethod
@@ -264,6 +269,14 @@ class Zygotes:
     def run(self, argv, env, cwd, timeout, code=None):
         """``(returncode, stdout, stderr)`` of ``python -m omni_patches.testing.child ARGV`` (``python -c CODE
         ARGV`` given ``code``) run with ``env`` in ``cwd``, or None when no zygote could run it."""
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            return self._run(argv, env, cwd, timeout, code)
+        finally:
+            self._busy.release()
+
+    def _run(self, argv, env, cwd, timeout, code):
         import tempfile
 
         key, proc = self._get(env, cwd)
