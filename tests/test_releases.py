@@ -85,3 +85,24 @@ def test_call_needs_a_module_level_function(omni):
     with pytest.raises(ValueError, match="module-level function"):
         omni.call(lambda: 1)
     assert AUTO is None  # the marker of a whole-module stand-in
+
+
+ENGINE = "vllm_omni/diffusion/diffusion_engine.py"
+
+
+def _engine_imports():
+    """Run in the child: the real engine module imports names from packages of its own release that are not
+    copied (``from vllm_omni.diffusion.sched import BaseScheduler``) and a module that is (``envs``)."""
+    from vllm_omni.diffusion import diffusion_engine, envs, sched
+
+    return {"scheduler": isinstance(diffusion_engine.BaseScheduler, type), "sched": type(sched).__name__,
+            "envs": envs.__file__.endswith("vllm_omni/diffusion/envs.py"), "envs_type": type(envs).__name__}
+
+
+def test_a_name_imported_from_an_own_package_that_is_not_copied_exists():
+    """An own package not copied has an empty ``__init__`` unless the real files import a name from it that is
+    none of its modules here: then it is a stand-in, and its modules that are here still import as real files."""
+    fetch_or_skip("vllm-omni", "0.30.0")
+    rel = Release("vllm-omni", "0.30.0", files=[ENGINE, "vllm_omni/diffusion/envs.py"], auto_standins=True)
+    assert rel.call(_engine_imports) == {"scheduler": True, "sched": "AutoModule", "envs": True,
+                                         "envs_type": "module"}

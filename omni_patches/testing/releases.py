@@ -23,7 +23,8 @@ What a :class:`Release` gives, built once and cached under :func:`omni_patches.t
   module name to its source (its own definitions; every other attribute exists permissively) or to :data:`AUTO`;
   ``auto_standins=True`` adds :data:`AUTO` for every module the real files import that is neither real, nor the
   standard library, nor under ``passthrough`` (top-level names found on ``sys.path``: torch, zmq, ...). A release's
-  own packages that are not copied get empty ``__init__`` files (the real ones import the world).
+  own packages that are not copied get empty ``__init__`` files (the real ones import the world), stand-ins where the
+  real files import a name from them that is not one of their modules here.
   ``preludes`` maps a copied package to code run before its real ``__init__`` (vllm-ascend: the torch_npu
   stand-ins first); ``real=False`` makes a distribution of stand-ins only (the engine's own tests);
 * ``sources`` -- modules written as they are (not permissive): a made-up distribution's code (:func:`fake`);
@@ -396,6 +397,15 @@ def imported(text: str) -> set:
     return mods
 
 
+def imported_names(text: str) -> dict:
+    """``{module: {names}}`` of every absolute ``from module import name`` in a source, at any level."""
+    out: dict = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.setdefault(node.module, set()).update(a.name for a in node.names if a.name != "*")
+    return out
+
+
 def _module_path(module: str, package: bool) -> str:
     return module.replace(".", "/") + ("/__init__.py" if package else ".py")
 
@@ -470,12 +480,15 @@ class Release:
         given.update({name: textwrap.dedent(text) for name, text in self.sources.items()})
         given_mods = set(given)
         real_mods = {rel[:-3].replace("/", ".").removesuffix(".__init__") for rel in real if rel.endswith(".py")}
-        auto = set()
+        auto, names_from = set(), {}
         if self.auto_standins:
             for rel, path in real.items():
                 if not rel.endswith(".py") or any(rel.startswith(p.replace(".", "/") + "/") for p in self.packages):
                     continue  # a whole package imports what it imports: its own modules are there
-                for mod in imported(path.read_text(errors="replace")):
+                text = path.read_text(errors="replace")
+                for mod, names in imported_names(text).items():
+                    names_from.setdefault(mod, set()).update(names)
+                for mod in imported(text):
                     top = mod.split(".")[0]
                     if top in sys.stdlib_module_names or top in self.passthrough or mod in real_mods \
                             or mod in given_mods:
@@ -488,7 +501,11 @@ class Release:
         written = {}
         for mod in sorted((auto | packages) - provided):
             is_pkg = mod in packages
-            own = mod.split(".")[0] in own_tops and is_pkg
+            # An own package that is not copied gets an empty __init__ (the real one imports the world) unless the
+            # real files import a name from it that is none of its modules here (``from pkg.sched import
+            # BaseScheduler``): then it is a stand-in (its modules here are still found: AutoModule.__getattr__).
+            wanted = {n for n in names_from.get(mod, ()) if f"{mod}.{n}" not in provided | auto}
+            own = mod.split(".")[0] in own_tops and is_pkg and not wanted
             written[_module_path(mod, is_pkg)] = "" if own else STANDIN_AUTO
         for mod, text in given.items():
             written[_module_path(mod, mod in packages)] = text

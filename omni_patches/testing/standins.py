@@ -46,12 +46,25 @@ class AutoModule(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
+        sub = self._submodule_file(name)
+        if sub is not None:  # a module file of this package on disk: ``from pkg import sub`` imports it
+            import importlib
+
+            return importlib.import_module(f"{self.__name__}.{name}")
         if name[:1].isupper() and not name.isupper():
             value: Any = AutoMeta(name, (AutoBase,), {"__module__": self.__name__, "__qualname__": name})
         else:
             value = MagicMock(name=f"{self.__name__}.{name}")
         setattr(self, name, value)
         return value
+
+    def _submodule_file(self, name: str):
+        for entry in self.__dict__.get("__path__") or ():
+            base = Path(entry) / name
+            for path in (base.with_suffix(".py"), base / "__init__.py"):
+                if path.is_file():
+                    return path
+        return None
 
 
 def install(name: str, **attrs) -> types.ModuleType:
