@@ -106,3 +106,17 @@ def test_a_name_imported_from_an_own_package_that_is_not_copied_exists():
     rel = Release("vllm-omni", "0.30.0", files=[ENGINE, "vllm_omni/diffusion/envs.py"], auto_standins=True)
     assert rel.call(_engine_imports) == {"scheduler": True, "sched": "AutoModule", "envs": True,
                                          "envs_type": "module"}
+
+
+def test_a_stand_in_over_a_real_file_leaves_the_release_as_it_was():
+    """Real files are hard-linked from the one unpacked release: a module written over one of them (a stand-in, a
+    source) replaces it in the sandbox and never writes through the link into the release every test shares."""
+    fetch_or_skip("vllm-omni", "0.30.0")
+    init = "vllm_omni/__init__.py"
+    rel = Release("vllm-omni", "0.30.0", files=[ASYNC_OMNI, init], standins={"vllm_omni": "MARK = 1\n"},
+                  label="stand-in-over-real")
+    before = (rel.root() / init).read_bytes()
+    sandbox = rel.directory()
+    assert "MARK = 1" in (sandbox / init).read_text()
+    assert (rel.root() / init).read_bytes() == before and b"MARK = 1" not in before
+    assert (sandbox / ASYNC_OMNI).stat().st_ino == (rel.root() / ASYNC_OMNI).stat().st_ino  # the rest still linked

@@ -515,6 +515,8 @@ class Release:
                 raise FileNotFoundError(f"prelude for {pkg}: {rel} is not in {self.dist}=={self.version}")
             written[rel] = PRELUDE.format(what=code.strip().splitlines()[0] if code.strip() else "nothing",
                                           code=textwrap.dedent(code), real=str(real.pop(rel)))
+        for rel in written:  # a written module replaces the real file: never link it (a write would go through the link
+            real.pop(rel, None)  # into the shared unpacked release)
         return real, written, sorted(auto)
 
     def write(self, dest: Path) -> Path:
