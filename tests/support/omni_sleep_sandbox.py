@@ -29,10 +29,9 @@ DATA = "vllm_omni/diffusion/data.py"
 DATA_CLASSES = ("OmniACK", "OmniSleepTask", "OmniWakeTask", "CuMemTag")
 TARGET = "vllm_omni.entrypoints.async_omni"
 
-# The project's one permissive stand-in (support/automods.py), written into the sandbox as a module of its own,
-# plus the hook the generated files call to turn an imported module permissive.
-_AUTO = (Path(__file__).with_name("automods.py").read_text()
-         + "\n\ndef install(name):\n    import sys\n\n    sys.modules[name].__class__ = AutoModule\n")
+# The project's one permissive stand-in (omni_patches.testing.standins), reached from the sandbox through a module
+# of its own: the hook the generated files call to turn an imported module permissive.
+_AUTO = "from omni_patches.testing.standins import AutoModule, install  # noqa: F401\n"
 
 
 def _imported(text: str) -> set[str]:

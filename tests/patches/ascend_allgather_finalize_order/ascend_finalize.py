@@ -38,7 +38,7 @@ from packaging.version import Version
 
 from support import wheels
 from support.fakes import write_dist_info
-from support.automods import AutoFinder, add_finder
+from omni_patches.testing.standins import Finder
 
 TARGET = "vllm_ascend.ops.fused_moe.prepare_finalize"
 REL = "vllm_ascend/ops/fused_moe/prepare_finalize.py"
@@ -176,10 +176,10 @@ def _ensure_torch_npu() -> None:
         torch.npu = npu
 
 
-def install_finder(root: Path | None = None) -> AutoFinder:
+def install_finder(root: Path | None = None) -> Finder:
     """Stand-ins for every ``vllm``/``vllm_ascend``/``torch_npu`` module that ``root`` does not hold as a file (once,
     behind the import-hook finders of wrapt / omni_patches), with the behaviour of :func:`_overrides`."""
-    finder = add_finder(AutoFinder("ascend-finalize", _ROOTS, root, _overrides))
+    finder = Finder("ascend-finalize", _ROOTS, root, _overrides).add()
     _ensure_torch_npu()
     return finder
 

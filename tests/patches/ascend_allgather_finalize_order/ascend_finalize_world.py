@@ -90,9 +90,9 @@ def run_world(job: dict, *, timeout: float = 420, env: dict | None = None) -> li
 def mapping_layout(omni_root: str) -> dict:
     """vLLM _PCP / _DP rank lists as moe-ep-parallel-mapping builds them (SP2·CFG2), by omni's own code (the
     real parallel_state.py; what it imports: stand-ins, only its RankGenerator is used)."""
-    from support.automods import AutoFinder
+    from omni_patches.testing.standins import Finder
 
-    finder = AutoFinder("omni-layout", ("vllm", "vllm_omni"))
+    finder = Finder("omni-layout", ("vllm", "vllm_omni"))
     sys.meta_path.insert(0, finder)
     try:
         path = Path(omni_root) / "vllm_omni/diffusion/distributed/parallel_state.py"

@@ -31,7 +31,7 @@ from omni_patches.testing import run_code
 from support import wheels
 from support.ci import skip_or_fail
 from support.fakes import write_dist_info
-from support.automods import AutoFinder, add_finder
+from omni_patches.testing.standins import Finder
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -125,7 +125,7 @@ def install_finder(root: Path) -> None:
     """Called by the sandbox's bootstrap ``__init__``: stand-ins for every module under the stub roots that has no
     real file in the sandbox (a stand-in package over a sandbox directory, vllm.ray, still finds the real files in
     it), installed once behind the import-hook finders (wrapt's, the engine's trigger)."""
-    add_finder(AutoFinder("ascend-timeout", _STUB_ROOTS, root))
+    Finder("ascend-timeout", _STUB_ROOTS, root).add()
     # platform.py imports the real torch itself but touches torch.npu only inside methods; a child that only
     # reads vllm.envs never pays for importing torch.
     torch = sys.modules.get("torch")
