@@ -9,9 +9,9 @@ Upstream:    https://github.com/vllm-project/vllm-omni/issues/7809 and
              https://github.com/vllm-project/vllm-omni/pull/7811 (0.31.0rc1: ``_raise_on_diffusion_errors``
              raises ``RuntimeError("handle_sleep_task failed: ...")`` / ``("handle_wake_task failed: ...")``;
              what succeeded is on record first)
-Affected:    vllm-omni >=0.28.0,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
-             an AsyncOmni that has _raise_on_diffusion_errors). 0.20.0rc1-0.28.0rc1 ignore the ACKs too but
-             keep no per-stage sleep record (not covered; an untagged build of them is drifted, with that
+Affected:    vllm-omni >=0.28.0rc1,<0.31.0rc1; fixed upstream in vllm-omni 0.31.0rc1 (also found by feature:
+             an AsyncOmni that has _raise_on_diffusion_errors); 0.28.0rc1 keeps one engine-wide sleep record.
+             0.20.0rc1-0.27.x ignore the ACKs inline in sleep() / wake_up() (not covered: drifted, with that
              reason); 0.18.0 and older have no ACK protocol: "not affected".
 How:         AsyncOmni._sleep_diffusion / _wake_diffusion are wrapped (wrapt); the stock methods run
              unchanged and their ACKs are read as 0.31.0rc1 reads them (raise; what failed stays on record, so
@@ -30,8 +30,7 @@ import logging
 PATCH_ID = "omni-diffusion-sleep-wake-errors"
 _LOG = logging.getLogger("omni_patches")
 _SLEEP_TAGS = ("weights", "kv_cache")  # CuMemTag.WEIGHTS / KV_CACHE values, what sleep() records
-_NEEDS = ("sleep", "wake_up", "_sleep_diffusion", "_wake_diffusion", "_split_stage_ids_by_type",
-          "_record_stage_sleep", "_clear_stage_sleep")
+_NEEDS = ("sleep", "wake_up", "_sleep_diffusion", "_wake_diffusion", "_split_stage_ids_by_type")
 # What the wrapped public call learned from the diffusion helpers (same task: contextvars follow the awaits).
 _CALL = contextvars.ContextVar("omni_patches_sleep_wake_call", default=None)
 
@@ -57,18 +56,25 @@ def check(ctx):
         code = ctx.resolve(f"AsyncOmni.{name}").__code__
         if not {"collective_rpc", "event_resolver"} <= set(code.co_names):
             ctx.drift(f"AsyncOmni.{name} no longer resolves the collective_rpc ACKs itself")
-    ctx.describe("AsyncOmni._sleep_diffusion / _wake_diffusion: ACKs returned unread, per-stage sleep record "
-                 "(0.28.0-0.30.0 layout)")
+    if ctx.has("AsyncOmni._record_stage_sleep"):
+        ctx.resolve("AsyncOmni._clear_stage_sleep")
+        record = "per-stage sleep record (0.28.0-0.30.0 layout)"
+    else:
+        record = "one engine-wide sleep record (0.28.0rc1 layout)"
+    ctx.describe(f"AsyncOmni._sleep_diffusion / _wake_diffusion: ACKs returned unread, {record}")
 
 
 def _older_layouts(ctx):
     """Decided by features, for builds without version metadata: before the ACK protocol there is no ERROR ACK
-    to ignore (not affected); 0.20.0rc1-0.28.0rc1 ignore them too, in a layout this patch does not cover (drift,
+    to ignore (not affected); 0.20.0rc1-0.27.x ignore them too, in a layout this patch does not cover (drift,
     said plainly: the bug is there)."""
     if ctx.has("AsyncOmni._sleep_diffusion"):
         if not ctx.has("AsyncOmni._record_stage_sleep"):
-            ctx.drift("AsyncOmni keeps no per-stage sleep record (no _record_stage_sleep: the 0.28.0rc1 layout); "
-                      "its diffusion ERROR ACKs are ignored too, but this patch covers the 0.28.0-0.30.0 layout only")
+            for name in ("sleep", "wake_up"):
+                code = getattr(ctx.resolve(f"AsyncOmni.{name}"), "__code__", None)
+                if "_sleeping_tags" not in getattr(code, "co_names", ()):
+                    ctx.drift(f"AsyncOmni.{name} keeps neither a per-stage sleep record (_record_stage_sleep) "
+                              "nor the engine-wide _sleeping_tags of 0.28.0rc1")
         return
     sleep = getattr(getattr(ctx.resolve("AsyncOmni.sleep"), "__code__", None), "co_names", ())
     if not ({"OmniSleepTask", "event_resolver"} & set(sleep)) and not ctx.has("OmniSleepTask") \
@@ -134,7 +140,7 @@ async def _sleep_diffusion(run, wrapped, instance, args, kwargs):
         acks = await wrapped(*args, **kwargs)
     except BaseException:
         # 0.31.0rc1: a failed sleep may have released part of a stage, so wake_up must still reach it.
-        instance._record_stage_sleep(list(stage_ids), _SLEEP_TAGS)
+        _record(instance, stage_ids)
         if call is not None:
             call["diffusion_failed"] = True
         raise
@@ -146,7 +152,7 @@ async def _sleep_diffusion(run, wrapped, instance, args, kwargs):
     error = _failure("handle_sleep_task", acks)
     if error is None:
         return acks
-    instance._record_stage_sleep(list(stage_ids), _SLEEP_TAGS)
+    _record(instance, stage_ids)
     if level == 2 and any(ack_error(a) is None for a in acks):  # weights discarded where a replica finished
         instance._level2_sleeping = True
     if call is not None:
@@ -182,7 +188,7 @@ async def _wake_diffusion(run, wrapped, instance, args, kwargs):
             call["diffusion_failed"] = True
             _report(run, "wake_up", error)
             raise error
-        instance._clear_stage_sleep([sid], tags)
+        _clear(instance, [sid], tags)
         woken.extend(acks)
     return woken
 
@@ -198,7 +204,7 @@ async def _sleep(wrapped, instance, args, kwargs):
         if call.get("diffusion_failed"):
             ar = _ar_stages(instance, args, kwargs)
             if ar:  # their EngineCore sleep had succeeded
-                instance._record_stage_sleep(ar, _SLEEP_TAGS)
+                _record(instance, ar)
                 if _arg(args, kwargs, 1, "level", 2) == 2:
                     instance._level2_sleeping = True
         raise
@@ -224,13 +230,34 @@ async def _wake_up(wrapped, instance, args, kwargs):
         if call.get("diffusion_failed"):
             ar = _ar_stages(instance, args, kwargs)
             if ar:  # their EngineCore wake_up had succeeded
-                instance._clear_stage_sleep(ar, call.get("tags") or [])
+                _clear(instance, ar, call.get("tags") or [])
         raise
     finally:
         _CALL.reset(token)
 
 
 _MISSING = object()
+
+
+def _record(instance, stage_ids):
+    """Put ``stage_ids`` on the sleep record as 0.31.0rc1 does: 0.28.0-0.30.0 keep one per stage; 0.28.0rc1 keeps
+    one engine-wide set of tags, which its sleep() fills the same way after a success."""
+    record = getattr(instance, "_record_stage_sleep", None)
+    if record is not None:
+        record(list(stage_ids), _SLEEP_TAGS)
+    else:
+        tags = getattr(instance, "_sleeping_tags", None)
+        if not isinstance(tags, set):
+            tags = instance._sleeping_tags = set()
+        tags.update(_SLEEP_TAGS)
+
+
+def _clear(instance, stage_ids, tags):
+    """Take ``stage_ids`` off the record once awake. 0.28.0rc1's one engine-wide record cannot say which stage
+    woke: it stays until stock wake_up has woken every stage and clears it (a retry wakes them all again)."""
+    clear = getattr(instance, "_clear_stage_sleep", None)
+    if clear is not None:
+        clear(list(stage_ids), tags)
 
 
 def _ar_stages(instance, args, kwargs):
@@ -327,7 +354,7 @@ def _validate(run, request):
 
 async def _omni_sleep(run, http_error, wrapped, instance, args, kwargs):
     call = _api_call(args, kwargs)
-    recorded = getattr(getattr(call[1], "engine_client", None), "_sleeping_tags_for_stages", None) if call else None
+    recorded = _record_reader(getattr(call[1], "engine_client", None)) if call else None
     if call is None or not callable(recorded):
         return await run.stock(API_UNKNOWN, wrapped, args, kwargs)
     request, state = call
@@ -344,6 +371,17 @@ async def _omni_sleep(run, http_error, wrapped, instance, args, kwargs):
     finally:
         if not precheck:  # 0.31.0rc1: the stages the engine has on record, whatever the sleep did
             _list_recorded(run, request.stage_ids, recorded, sleeping, before)
+
+
+def _record_reader(engine):
+    """``stage ids -> tags on record`` for the engine's sleep record: 0.28.0-0.30.0's per-stage one, or
+    0.28.0rc1's engine-wide set (every stage carries it). None: an engine client of another shape."""
+    per_stage = getattr(engine, "_sleeping_tags_for_stages", None)
+    if callable(per_stage):
+        return per_stage
+    if callable(getattr(engine, "_sleep_diffusion", None)) and isinstance(getattr(engine, "_sleeping_tags", None), set):
+        return lambda stage_ids: set(engine._sleeping_tags)
+    return None
 
 
 def _list_recorded(run, stage_ids, recorded, sleeping, before):

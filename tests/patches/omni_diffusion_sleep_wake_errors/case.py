@@ -1,12 +1,12 @@
 """Contract case for omni-diffusion-sleep-wake-errors: the REAL async_omni.py of each release (support.omni_sleep_sandbox).
 
-Affected: every release from 0.28.0 (the first with a per-stage sleep record) to 0.30.0, the last before #7811.
+Affected: every release from 0.28.0rc1 (the first with _sleep_diffusion / _wake_diffusion) to 0.30.0, the last before #7811.
 """
 from omni_patches.testing import Case, Env, Unexpected
 from support.omni_cases import sandboxes, skipped, source_built
 from support.omni_sleep_sandbox import paths
 
-AFFECTED = ["0.28.0", "0.29.0rc1", "0.30.0rc1", "0.30.0"]
+AFFECTED = ["0.28.0rc1", "0.28.0", "0.29.0rc1", "0.30.0rc1", "0.30.0"]
 ASYNC_OMNI = "vllm_omni/entrypoints/async_omni.py"
 
 
@@ -38,8 +38,8 @@ CASE = Case(
         backport=(ASYNC_OMNI, "    async def _sleep_diffusion(",
                   "    @classmethod\n    def _raise_on_diffusion_errors(cls, method, acks):\n        return None\n\n"
                   "    async def _sleep_diffusion("),
-        # 0.28.0rc1 keeps one engine-wide sleep record (no _record_stage_sleep): outside the range.
-        outside="0.28.0rc1"),
+        # 0.27.0rc1 reads the ACKs inline in sleep() / wake_up() (no _sleep_diffusion): outside the range.
+        outside="0.27.0rc1"),
     source_built=source_built(sandbox, "0.30.0", "0.30.1.dev4+g1a2b3c4d", fixed="0.31.0rc1"),
     drifted=[
         (Env.edited("omni-0.30.0-renamed", BASE, ASYNC_OMNI, "    async def _wake_diffusion(",
@@ -58,5 +58,6 @@ CASE = Case(
 VERDICTS = {
     "vllm-omni==0.24.0": "skip: out of range", "vllm-omni==0.28.0": "would apply",
     "vllm-omni==0.30.0": "would apply", "vllm-omni==0.32.0rc1": "skip: fixed upstream",
-    "vllm-omni==0.31.0rc1": "skip: fixed upstream", "vllm-omni==0.28.0rc1": "skip: out of range",
+    "vllm-omni==0.31.0rc1": "skip: fixed upstream", "vllm-omni==0.28.0rc1": "would apply",
+    "vllm-omni==0.27.0rc1": "skip: out of range",
 }
