@@ -12,8 +12,13 @@ together, each phase serving several cases, and the tests assert on what the pha
 * ``replicated`` -- stock and shim (default patches), the diffusion stage in its own processes (two replicas:
   ``--stage-overrides {"0": {"num_replicas": 2}}``; with one replica vllm-omni runs a single-stage pipeline inline
   in the API server): an image without LoRA and one with a per-request LoRA (``DiffusionLoRAManager``), ``status
-  --all-processes`` / ``doctor``, then a stage subprocess is SIGKILLed and the servers stopped (stock's stop,
-  which blocks ~30 s where #7810 is unfixed, runs on while the next phase starts: it is mostly waiting);
+  --all-processes`` / ``doctor`` (which shows where each stage patch applied), then a stage subprocess is
+  SIGKILLed, a sleep sent at once to both servers together (stock blocks in a send to the dead subprocess where
+  #7810 is unfixed and never answers it: ``DEAD_STAGE_DEADLINE_S`` of wall time, once), and the servers stopped
+  (stock's stop, which blocks ~30 s where #7810 is unfixed, runs on while the next phase starts: it is mostly
+  waiting). ``omni-stage-executor-failure-teardown`` is shown applied in the stage processes but not exercised:
+  a one-device diffusion stage runs its executor in its own process (``uni``), so there is no worker to kill, and
+  the ``mp`` executor does not serve on CPU (its worker's output thread needs ``torch.accelerator``);
 * ``startup`` -- a LoRA fused at start-up (``--lora-backend distill --lora-path X``: vllm-omni's
   ``LoraLoaderMixin``, the loader the LoRA patches wrap): stock with the bf16 LoRA, the shim with
   ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the LoRA in bf16 (and in fp32 on ``FP32_SERVED`` only: the fp32
@@ -43,6 +48,8 @@ from support.stacks import SUPPORTED
 pytestmark = [pytest.mark.serving, pytest.mark.stack]
 
 PATCHES_AFFECTED_SHUTDOWN = {"0.28.0", "0.30.0"}  # omni-stage-shutdown-nonblocking: 0.24.0rc1-0.30.0
+PATCHES_AFFECTED_SEND = {"0.28.0", "0.30.0"}  # omni-stage-send-dead-engine: 0.24.0rc1-0.30.0
+PATCHES_AFFECTED_TEARDOWN = {"0.28.0", "0.30.0"}  # omni-stage-executor-failure-teardown: 0.22.0-0.30.0
 PATCHES_AFFECTED_LOADER = {"0.28.0"}  # lora-accel-delta, the default patch on the start-up loader: 0.27.0rc1-0.29
 # The one stack that serves the fused fp32 LoRA too (the newest final): a server costs ~30 CPU-s, and the fp32 path
 # of the real loader of every release runs in tests/patches/lora_cpu_fused_delta/test_fused_real_loader.py.
@@ -57,6 +64,9 @@ ORCHESTRATOR_TIMEOUT = "Orchestrator did not stop within"
 EVICTED = r"\[StagePool\] Stage \d+ replica \d+ shut down|\[Orchestrator\] Stage-\d+ replica-\d+ is dead; evicting it"
 # How long stock gets to exit after its stage subprocess was killed (it is the negative control).
 STOCK_STOP_BOUND_S = 90
+# How long an image request right after a stage subprocess was SIGKILLed may take before it counts as unanswered:
+# the shim answers within a second here; stock's orchestrator blocks in its send to the dead subprocess (#7810).
+DEAD_STAGE_DEADLINE_S = 20
 # Factor over the model's measured rounding sensitivity for the fused-vs-stock bound (see fused_bound).
 ROUNDING_SAFETY = 1.0
 
@@ -159,7 +169,19 @@ class StackRun:
                 continue
             os.kill(stage_pids[0], signal.SIGKILL)
             out[key] = {"victim": stage_pids[0]}
-        time.sleep(3)  # let the API servers notice
+        # omni-stage-send-dead-engine: a sleep at once (before an orchestrator polls the dead replica): both servers
+        # send its collective RPC to every replica of the stage, the dead one included (an image would not reach a
+        # replica on the shim: after the failed sleep its admission is closed, as upstream's fixed release's is; a
+        # wakeup does not reach one on stock, which took the failed wakeup for a success). Concurrently, so stock's
+        # hang (the negative control) costs DEAD_STAGE_DEADLINE_S of wall time once.
+        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+            asked = {key: pool.submit(timed_post, server, *SLEEP_WAKE[0], DEAD_STAGE_DEADLINE_S)
+                     for key, (server, _) in servers.items() if "error" not in out[key]}
+        for key, fut in asked.items():
+            out[key]["sleep"] = fut.result()
+        if "error" not in out["shim"]:  # the patches' notes once the dead replica was met
+            shim_server = servers["shim"][0]
+            out["shim"]["records"] = shim_server.records()
 
         def stop(key, server):
             out[key].update(server.stop(grace=STOCK_STOP_BOUND_S))
@@ -214,18 +236,35 @@ ADMISSION_DEADLINE_S = 10
 UNANSWERED = f"no answer within {ADMISSION_DEADLINE_S}s"
 
 
+def timed_image(server, deadline, *, seed=0):
+    """``(outcome, seconds)`` of one image request: ``"image"``, ``"failed: <HTTP error>"`` or, when no answer came
+    within ``deadline`` s, ``"no answer within <deadline>s"``."""
+    t0 = time.monotonic()
+    try:
+        server.image(timeout=deadline, seed=seed)
+        outcome = "image"
+    except serving.ServerFailed as exc:
+        outcome = f"failed: {str(exc)[:200]}"
+    except OSError:  # the socket's timeout (TimeoutError, or URLError wrapping it)
+        outcome = f"no answer within {deadline}s"
+    return outcome, round(time.monotonic() - t0, 2)
+
+
+def timed_post(server, path, body, deadline):
+    """``{"status", "body", "seconds"}`` of one POST; status None when no answer came within ``deadline`` s."""
+    t0 = time.monotonic()
+    try:
+        answer = server.post_json(path, body, timeout=deadline)
+    except OSError:  # the socket's timeout
+        answer = {"status": None, "body": f"no answer within {deadline}s"}
+    return {**answer, "seconds": round(time.monotonic() - t0, 2)}
+
+
 def sleep_then_wakeup(server):
     """The issue's sequence, in order: the two calls' status and body, then whether an image request is answered."""
     steps = [server.post_json(path, body) for path, body in SLEEP_WAKE]
-    t0 = time.monotonic()
-    try:
-        server.image(timeout=ADMISSION_DEADLINE_S)
-        image = "image"
-    except serving.ServerFailed as exc:
-        image = f"failed: {str(exc)[:200]}"
-    except OSError:  # the socket's timeout (TimeoutError, or URLError wrapping it)
-        image = UNANSWERED
-    return {"steps": steps, "image": image, "image_s": round(time.monotonic() - t0, 1)}
+    image, seconds = timed_image(server, ADMISSION_DEADLINE_S)
+    return {"steps": steps, "image": image, "image_s": round(seconds, 1)}
 
 
 @pytest.fixture(scope="module", params=SUPPORTED)
@@ -418,6 +457,42 @@ def test_status_all_processes_lists_every_server_process(run):
         assert str(pid) in r["status_text"], r["status_text"]
 
 
+def status_table(text):
+    """``{pid: {column: cell}}`` of ``status --all-processes``' table (no cell holds a space)."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["pid", "group"])
+    columns = lines[head].split()
+    rows = {}
+    for line in lines[head + 2:]:
+        cells = line.split()
+        if len(cells) != len(columns) or not cells[0].isdigit():
+            break
+        rows[int(cells[0])] = dict(zip(columns, cells))
+    return rows
+
+
+# Where each stage patch applies in the replicated server: the process that holds its target.
+STAGE_PATCHES = {
+    "omni-stage-shutdown-nonblocking": ("main", PATCHES_AFFECTED_SHUTDOWN),  # the API server's stage clients
+    "omni-stage-send-dead-engine": ("main", PATCHES_AFFECTED_SEND),
+    "omni-stage-executor-failure-teardown": ("StageDiffusionProc", PATCHES_AFFECTED_TEARDOWN),  # run_loop
+}
+
+
+def test_status_shows_where_the_stage_patches_applied(run):
+    r = run.phase("replicated")
+    rows = status_table(r["status_text"])
+    api, stages = r["servers"]["shim"].proc.pid, r["shim_stage_pids"]
+    assert rows[api]["role"] == "main" and all(rows[pid]["role"] == "StageDiffusionProc" for pid in stages), rows
+    for patch, (role, affected) in STAGE_PATCHES.items():
+        where = [api] if role == "main" else stages
+        if run.omni in affected:
+            assert all(rows[pid].get(patch) == "applied" for pid in where), (patch, r["status_text"])
+        else:  # skipped in every process: the table leaves the column out (--all-patches shows it)
+            assert all(rows[pid].get(patch, "skipped:version") == "skipped:version" for pid in rows), \
+                (patch, r["status_text"])
+
+
 def test_doctor_in_the_serving_environment(run):
     rc, out, err = run.phase("replicated")["doctor"]
     assert rc == 0, (out[-3000:], err[-3000:])
@@ -463,6 +538,60 @@ def test_stage_shutdown_after_a_stage_subprocess_died(run):
             return
         assert ORCHESTRATOR_TIMEOUT not in stock["log"], stock["log_tail"]
         assert stock["exited_within_grace"] and stock["seconds"] <= PROMPT_EXIT_S, stock
+
+
+# -- omni-stage-send-dead-engine: an image request right after a stage subprocess died -------------------------
+SEND_NOTE = "EngineDeadError instead of a blocking send"  # omni-stage-send-dead-engine met the dead subprocess
+DROP_NOTE = "shutdown message dropped instead of blocking"  # omni-stage-shutdown-nonblocking did
+
+
+def sleep_answer(answer):
+    """``(status, message prefix)`` of a sleep's answer; ``(None, ...)`` when none came."""
+    body = answer["body"]
+    if answer["status"] is None or not isinstance(body, dict):
+        return answer["status"], str(body)[:80]
+    if answer["status"] >= 400:
+        return answer["status"], body.get("error", {}).get("message", "").partition(": ")[0]
+    return answer["status"], body.get("status")
+
+
+def test_sleep_after_a_stage_subprocess_was_killed(run):
+    """A sleep sent the moment a stage subprocess was SIGKILLed (``_kill_stage_then_stop``), before the stop.
+
+    The API server's monitor thread sees the death at once and the orchestrator evicts the replica: stock blocks in
+    that eviction's shutdown send to the dead subprocess (#7810) or in the sleep's own RPC send to it, and the sleep
+    is never answered; the shim answers it (500, the failed sleep of the live replica) -- through
+    omni-stage-shutdown-nonblocking (the eviction's shutdown message dropped) or omni-stage-send-dead-engine (the
+    RPC's send raising EngineDeadError), whichever met the dead subprocess first: their notes say which. On CPU
+    the eviction wins the race in every run seen (send-dead-engine's window is the few milliseconds before the
+    monitor thread marks the client dead); its own hang is shown on the release files in
+    tests/patches/omni_stage_send_dead_engine/.
+    """
+    sd = run.phase("replicated")["shutdown"]
+    shim, stock = sd["shim"], sd["stock"]
+    assert "error" not in shim and "error" not in stock, sd
+    api = {rec["pid"]: rec for rec in shim["records"]}[run.phase("replicated")["servers"]["shim"].proc.pid]
+    notes = {p: api["patches"][p].get("reason", "") for p in ("omni-stage-shutdown-nonblocking",
+                                                               "omni-stage-send-dead-engine") if p in api["patches"]}
+    print(f"\n{run.omni} sleep right after a stage subprocess was SIGKILLed: shim {sleep_answer(shim['sleep'])} in "
+          f"{shim['sleep']['seconds']}s, stock {sleep_answer(stock['sleep'])} in {stock['sleep']['seconds']}s "
+          f"(deadline {DEAD_STAGE_DEADLINE_S}s); shim's API server: {notes}")
+    # The shim answers at once: the live replica's sleep fails on CPU, as every sleep here does.
+    assert sleep_answer(shim["sleep"]) == (500, "Failed to sleep"), shim["sleep"]
+    assert shim["sleep"]["seconds"] < DEAD_STAGE_DEADLINE_S / 2, shim["sleep"]
+    if run.omni in PATCHES_AFFECTED_SEND:
+        # One of the two patches met the dead subprocess where stock blocks.
+        assert DROP_NOTE in notes["omni-stage-shutdown-nonblocking"] or SEND_NOTE in notes[
+            "omni-stage-send-dead-engine"], notes
+        if stock["sleep"]["status"] is None:  # the negative control: stock never answers
+            assert stock["sleep"]["seconds"] >= DEAD_STAGE_DEADLINE_S, stock["sleep"]
+        else:
+            # Stock answered: only where neither of its sends to the dead subprocess blocked (upstream's race,
+            # see test_stage_shutdown_after_a_stage_subprocess_died): the negative control did not run.
+            assert re.search(EVICTED, stock["log_before_stop"]), stock["log_tail"]
+            print(f"{run.omni}: stock's sends to the dead subprocess did not block; the negative control did not run")
+    else:  # fixed upstream (0.31.0rc1): stock answers as the shim does
+        assert sleep_answer(stock["sleep"]) == sleep_answer(shim["sleep"]), (stock["sleep"], shim["sleep"])
 
 
 # -- the machine as we found it -------------------------------------------------------------------------------------
