@@ -57,7 +57,7 @@ def apply(ctx):
     logger = getattr(ctx.module, "logger", None)
     if not callable(getattr(logger, "warning", None)):
         logger = _LOG
-    ctx.wrap("StagePool", "submit_initial", functools.partial(_submit_initial, ctx.run))
+    ctx.wrap("StagePool", "submit_initial", _submit_initial)
     ctx.wrap("StagePool", "_llm_client", functools.partial(_llm_client, ctx.run, logger))
 
 
@@ -79,8 +79,12 @@ class _Handled(BaseException):
         self.error = error
 
 
-async def _submit_initial(run, wrapped, instance, args, kwargs):
-    if getattr(instance, "stage_type", None) == "diffusion":  # 0.32.0rc1 leaves the diffusion branch as it was
+async def _submit_initial(wrapped, instance, args, kwargs):
+    try:
+        diffusion = instance.stage_type == "diffusion"
+    except Exception:  # stock reads it too, after its own first steps: let stock fail where and as it does
+        diffusion = True
+    if diffusion:  # 0.32.0rc1 leaves the diffusion branch as it was
         return await wrapped(*args, **kwargs)
     request_id = args[0] if args else kwargs.get("request_id")
     token = _SUBMITTING.set(_Submission(instance, request_id))
