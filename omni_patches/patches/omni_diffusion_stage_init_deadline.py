@@ -28,16 +28,15 @@ _LOG = logging.getLogger("omni_patches")
 
 
 def check(ctx):
-    if ctx.has("wait_for_engine_startup_with_deadline"):
+    wait = ctx.resolve("StageDiffusionProcManager._wait_until_started")
+    names = getattr(getattr(wait, "__code__", None), "co_names", ())
+    if "wait_for_engine_startup_with_deadline" in names or ctx.has("wait_for_engine_startup_with_deadline"):
         ctx.fixed_upstream("_wait_until_started bounds the handshake (wait_for_engine_startup_with_deadline, "
                            "0.32.0rc1+)")
-    ctx.require_params(ctx.resolve("StageDiffusionProcManager._wait_until_started"), "stage_init_timeout")
-    ctx.resolve("wait_for_engine_startup")
-    ctx.resolve("shutdown")
-    code = ctx.resolve("StageDiffusionProcManager._wait_until_started").__code__
-    if "wait_for_engine_startup" not in code.co_names or "proc" not in code.co_names:
+    ctx.require_params(wait, "stage_init_timeout")
+    if not {"wait_for_engine_startup", "shutdown", "proc"} <= set(names):
         ctx.drift("StageDiffusionProcManager._wait_until_started no longer waits with vLLM's "
-                  "wait_for_engine_startup on self.proc")
+                  "wait_for_engine_startup on self.proc (and shuts it down with vLLM's shutdown)")
     ctx.describe("StageDiffusionProcManager._wait_until_started: unbounded wait_for_engine_startup "
                  "(0.24.0rc1-0.31.0rc1 layout)")
 
@@ -65,6 +64,9 @@ def _wait_until_started(run, module, wrapped, instance, args, kwargs):
     proc = getattr(instance, "proc", None)
     if proc is None or not callable(getattr(proc, "is_alive", None)):
         return run.stock("the stage manager has no process to bound", wrapped, args, kwargs)
+    shutdown = getattr(module, "shutdown", None)  # vLLM's, as the module imports it (what stock's cleanup calls)
+    if not callable(shutdown):
+        return run.stock("the module has no shutdown() to terminate the stage with", wrapped, args, kwargs)
 
     label = f"Diffusion stage process {getattr(proc, 'name', '?')}"
     fired = threading.Event()
@@ -73,7 +75,7 @@ def _wait_until_started(run, module, wrapped, instance, args, kwargs):
         fired.set()
         _LOG.error("[omni-patches] %s not READY after %ss (stage_init_timeout); terminating it", label, timeout)
         try:
-            module.shutdown([proc])
+            shutdown([proc])
         except Exception:  # noqa: BLE001 - vLLM's poll still ends when the process does
             _LOG.exception("[omni-patches] terminating %s after its start-up deadline failed", label)
 
