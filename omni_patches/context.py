@@ -87,6 +87,17 @@ class PatchContext:
         except Drift:
             return False
 
+    def own_function(self, cls_path, name):
+        """The plain function ``name`` that the class at ``cls_path`` defines itself (not inherited, not already
+        wrapped or made a descriptor); Drift otherwise."""
+        cls = self.resolve(cls_path)
+        if not isinstance(cls, type):
+            raise Drift(f"{cls_path} is not a class")
+        func = vars(cls).get(name)
+        if not inspect.isfunction(func):
+            raise Drift(f"{cls_path} defines no plain method {name}")
+        return func
+
     def require_params(self, func, *names, label=None):
         """Drift unless ``func`` accepts every parameter in ``names``."""
         func = getattr(func, "__func__", func)

@@ -97,6 +97,24 @@ class PatchRun:
         self.fallback(reason)
         return wrapped(*args, **kwargs)
 
+    def tally(self, key, text, *, by=1, log=None, level=20):
+        """Count what stock would have got wrong and say so in ``status``: the counter ``key`` goes up by ``by`` and
+        the note ``key`` becomes ``text.format(n=<the count>)``; the first time, ``log`` (a message, or None) is
+        logged once at ``level`` with the patch id. Returns the count (0 if the bookkeeping failed): never raises
+        into the patched call."""
+        try:
+            with self._lock:
+                before = self.counts.get(key, 0)
+                n = self.counts[key] = before + by
+            self.note(text.format(n=n), key=key)
+            if log is not None and before == 0:
+                from . import log as logs
+
+                logs.once(level, ("tally", self.patch_id, key), "%s: %s", self.patch_id, log)
+            return n
+        except Exception:  # pragma: no cover - bookkeeping must never break the caller
+            return 0
+
     def count(self, key):
         """Add one to the counter ``key`` and return its new value (e.g. to say "3 clients dropped")."""
         with self._lock:

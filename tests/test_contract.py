@@ -170,3 +170,42 @@ def test_counters_count_per_run():
     p = _run()
     assert [p.count("sent"), p.count("sent"), p.count("other")] == [1, 2, 1]
     assert _run().count("sent") == 1
+
+
+def test_tally_counts_notes_and_logs_the_first_time_only(mocker):
+    from omni_patches import log
+
+    p = _run("p")
+    once = mocker.spy(log, "once")
+    assert p.tally("sent", "{n} call(s) raised instead of hanging", log="the first one") == 1
+    assert p.tally("sent", "{n} call(s) raised instead of hanging", by=3, log="the first one") == 4
+    assert p.notes == {"sent": "4 call(s) raised instead of hanging"} and p.counts == {"sent": 4}
+    assert once.call_count == 1 and once.call_args.args[1:] == (("tally", "p", "sent"), "%s: %s", "p", "the first one")
+    assert p.tally("quiet", "{n} quiet") == 1 and once.call_count == 1  # no log= : a note only
+    assert p.tally("bad", "{missing} key") == 0  # a text that cannot be formatted: nothing raised into the wrapper
+
+
+def test_own_function_is_the_plain_method_the_class_defines_itself():
+    import types
+
+    from omni_patches.context import Drift, PatchContext
+
+    class Base:
+        def inherited(self):
+            pass
+
+    class Target(Base):
+        def own(self):
+            pass
+
+        prop = property(lambda self: 1)
+
+    module = types.SimpleNamespace(Target=Target, value=3)
+    ctx = PatchContext(type("Spec", (), {"id": "p"})(), "t", module, {}, _run())
+    assert ctx.own_function("Target", "own") is vars(Target)["own"]
+    for cls_path, name, why in [("Target", "inherited", "defines no plain method inherited"),
+                                ("Target", "prop", "defines no plain method prop"),
+                                ("value", "own", "value is not a class"),
+                                ("Missing", "own", "no attribute 'Missing'")]:
+        with pytest.raises(Drift, match=why):
+            ctx.own_function(cls_path, name)

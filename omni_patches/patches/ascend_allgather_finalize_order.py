@@ -263,21 +263,12 @@ def make_finalize(original, module_globals, layout, run):
 
 # -- engine entry points ---------------------------------------------------------------------------
 def _layout(ctx):
-    cls = ctx.resolve(CLASS)
-    if not isinstance(cls, type):
-        ctx.drift(f"{CLASS} is not a class")
-    func = vars(cls).get(METHOD)
-    if not inspect.isfunction(func):
-        ctx.drift(f"{CLASS} defines no plain method {METHOD}")
-    layout, why = finalize_layout(func)
+    layout, why = finalize_layout(ctx.own_function(CLASS, METHOD))
     if layout is None:
         ctx.drift(why)
     if layout.fixed:
         ctx.fixed_upstream(f"{layout.describe()}: the PCP reduce-scatter already comes first")
-    prepare = vars(cls).get(PREPARE)
-    if not inspect.isfunction(prepare):
-        ctx.drift(f"{CLASS} defines no plain method {PREPARE}")
-    dp_first, pads = prepare_facts(prepare)
+    dp_first, pads = prepare_facts(ctx.own_function(CLASS, PREPARE))
     if not dp_first:
         ctx.drift(f"{CLASS}.{PREPARE} does not all-gather over DP before PCP (or cannot be read): "
                   "the finalize order it needs is unknown")

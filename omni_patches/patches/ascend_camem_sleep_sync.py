@@ -18,7 +18,6 @@ How:         CaMemAllocator.sleep is wrapped (wrapt): the wrapper calls the came
              (noted once in status). Details: docs/patches.md.
 Remove when: the oldest supported vllm-ascend is 0.27.1rc1 or later.
 """
-import inspect
 import types
 
 PATCH_ID = "ascend-camem-sleep-sync"
@@ -40,18 +39,8 @@ def _names(code):
     return out
 
 
-def _sleep(ctx):
-    cls = ctx.resolve(CLASS)
-    if not isinstance(cls, type):
-        ctx.drift(f"{CLASS} is not a class")
-    func = vars(cls).get(METHOD)
-    if not inspect.isfunction(func):
-        ctx.drift(f"{CLASS} defines no plain method {METHOD}")
-    return func
-
-
 def check(ctx):
-    func = _sleep(ctx)
+    func = ctx.own_function(CLASS, METHOD)
     names = _names(func.__code__)
     if "synchronize" in names:
         ctx.fixed_upstream(f"{CLASS}.{METHOD} already synchronizes the device before it unmaps (0.27.1rc1+)")
@@ -113,8 +102,7 @@ def fenced_sleep(run, module):
             sync()
         except Exception:  # a device error the stock call meets on its own: never raised from here
             return run.stock("torch.npu.synchronize() raised", wrapped, args, kwargs)
-        n = run.count("fenced")
-        run.note(f"device synchronized before the offload/unmap of {n} sleep(s)", key="fenced")
+        run.tally("fenced", "device synchronized before the offload/unmap of {n} sleep(s)")
         return wrapped(*args, **kwargs)
 
     return sleep

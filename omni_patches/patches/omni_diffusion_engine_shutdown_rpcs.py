@@ -24,11 +24,9 @@ Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 import ast
 import functools
 import inspect
-import logging
 import textwrap
 
 PATCH_ID = "omni-diffusion-engine-shutdown-rpcs"
-_LOG = logging.getLogger("omni_patches")
 # What upstream's loop tail raises in every queued RPC's caller (0.21.0rc1 .. 0.32.0rc1 alike).
 _SHUTTING_DOWN = "DiffusionEngine is shutting down."
 
@@ -127,15 +125,7 @@ def _fail_left_behind(run, engine):
 
 
 def _report(run, left):
-    try:
-        n = run.count("shutdowns")
-        total = 0
-        for _ in range(left):
-            total = run.count("rpcs")
-        text = (f"shutdown interrupted a running batch {n} time(s): {total} queued RPC(s) failed with "
-                f"'{_SHUTTING_DOWN}' instead of waiting forever")
-        run.note(text, key="failed")
-        if n == 1:
-            _LOG.info("%s: %s", PATCH_ID, text)
-    except Exception:
-        pass
+    shutdowns = run.count("shutdowns")
+    text = (f"shutdown interrupted a running batch {shutdowns} time(s): {{n}} queued RPC(s) failed with "
+            f"'{_SHUTTING_DOWN}' instead of waiting forever")
+    run.tally("rpcs", text, by=left, log=text.format(n=left))

@@ -26,7 +26,6 @@ import textwrap
 import threading
 
 PATCH_ID = "omni-diffusion-idle-abort-terminal"
-_LOG = logging.getLogger("omni_patches")
 
 
 def _pending_gates(loop):
@@ -125,11 +124,5 @@ def _between_waves(run, local, wrapped, instance, args, kwargs):
 
 
 def _report(run, n):
-    try:
-        total = 0
-        for _ in range(n):
-            total = run.count("surfaced")
-        run.note(f"finished requests surfaced while the scheduler was idle: {total}", key="surfaced")
-        _LOG.debug("%s: %d finished request(s) surfaced with no request left to schedule", PATCH_ID, n)
-    except Exception:
-        pass
+    run.tally("surfaced", "finished requests surfaced while the scheduler was idle: {n}", by=n,
+              log="finished request(s) surfaced with no request left to schedule", level=logging.DEBUG)

@@ -28,7 +28,6 @@ import logging
 
 
 PATCH_ID = "omni-diffusion-sleep-wake-errors"
-_LOG = logging.getLogger("omni_patches")
 _SLEEP_TAGS = ("weights", "kv_cache")  # CuMemTag.WEIGHTS / KV_CACHE values, what sleep() records
 _NEEDS = ("sleep", "wake_up", "_sleep_diffusion", "_wake_diffusion", "_split_stage_ids_by_type")
 # What the wrapped public call learned from the diffusion helpers (same task: contextvars follow the awaits).
@@ -268,13 +267,8 @@ def _ar_stages(instance, args, kwargs):
 
 
 def _report(run, kind, error):
-    try:
-        n = run.count(kind)
-        run.note(f"{kind}: {n} diffusion failure(s) raised instead of reported as success", key=kind)
-        if n == 1:
-            _LOG.warning("%s: %s (stock would have returned it as a success)", PATCH_ID, error)
-    except Exception:
-        pass
+    run.tally(kind, f"{kind}: {{n}} diffusion failure(s) raised instead of reported as success",
+              log=f"{error} (stock would have returned it as a success)", level=logging.WARNING)
 
 
 # -- the API server's /v1/omni/sleep and /v1/omni/wakeup: what 0.31.0rc1's handlers add -------------------------

@@ -22,10 +22,8 @@ Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 import asyncio
 import contextlib
 import functools
-import logging
 
 PATCH_ID = "omni-stage-executor-failure-teardown"
-_LOG = logging.getLogger("omni_patches")
 
 
 def check(ctx):
@@ -74,9 +72,4 @@ async def _run_loop(run, wrapped, instance, args, kwargs):
 
 
 def _report(run):
-    try:
-        n = run.count("torn-down")
-        run.note(f"executor failure between requests: {n} stage process(es) torn down at once",
-                 key="torn-down")
-    except Exception:
-        pass
+    run.tally("torn-down", "executor failure between requests: {n} stage process(es) torn down at once")

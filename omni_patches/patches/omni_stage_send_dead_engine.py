@@ -22,12 +22,10 @@ How:         the three coroutine methods are wrapped (wrapt). The stock coroutin
              helpers: omni_patches/patches/_stage_client.py.
 Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 """
-import logging
 
 from . import _stage_client as sc
 
 PATCH_ID = "omni-stage-send-dead-engine"
-_LOG = logging.getLogger("omni_patches")
 _METHODS = ("add_request_async", "abort_requests_async", "collective_rpc_async")
 _RETRY_POLL_MS = 100  # upstream's wait for POLLOUT between two tries while the process lives
 
@@ -142,13 +140,7 @@ def aborter(run, zmq):
 
 def _report(run, client, kind):
     """Count what would have hung in stock (status note; logged once per kind)."""
-    try:
-        n = run.count(kind)
-        text = {"send": "EngineDeadError instead of a blocking send: {n} call(s) whose diffusion subprocess was gone",
-                "abort": "abort dropped instead of blocking: {n} call(s) that found no peer"}[kind]
-        run.note(text.format(n=n), key=kind)
-        if n == 1:
-            _LOG.info("%s: stage-%s replica-%s: %s", PATCH_ID, getattr(client, "stage_id", "?"),
-                      getattr(client, "replica_id", "?"), text.format(n=1))
-    except Exception:
-        pass
+    text = {"send": "EngineDeadError instead of a blocking send: {n} call(s) whose diffusion subprocess was gone",
+            "abort": "abort dropped instead of blocking: {n} call(s) that found no peer"}[kind]
+    where = f"stage-{getattr(client, 'stage_id', '?')} replica-{getattr(client, 'replica_id', '?')}"
+    run.tally(kind, text, log=f"{where}: {text.format(n=1)}")

@@ -56,9 +56,8 @@ def _report_dead_peer(run, client, sock, zmq):
     try:
         if sock.poll(0, zmq.POLLOUT):
             return
-        n = run.count("dropped")
-        run.note(f"shutdown message dropped instead of blocking: {n} client(s) whose diffusion subprocess was gone",
-                 key="dropped")
+        run.tally("dropped", "shutdown message dropped instead of blocking: {n} client(s) whose diffusion "
+                  "subprocess was gone")
         _LOG.info("%s: stage-%s replica-%s: no peer takes the shutdown message (subprocess gone); dropped "
                   "instead of blocking", PATCH_ID, getattr(client, "stage_id", "?"), getattr(client, "replica_id", "?"))
     except Exception:

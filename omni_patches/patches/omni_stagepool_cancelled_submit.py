@@ -153,10 +153,4 @@ async def _abort_rejected(submission, error, run, logger):
 
 
 def _report(run, key, text):
-    try:
-        n = run.count(key)
-        run.note(f"{n} {text}", key=key)
-        if n == 1:
-            _LOG.info("omni-patches: %s: first %s", PATCH_ID, text)
-    except Exception:
-        pass
+    run.tally(key, "{n} " + text, log=f"first {text}")
