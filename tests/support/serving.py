@@ -48,6 +48,8 @@ SERVING_EXTRAS: dict[str, list[str]] = {
 }
 
 PLATFORM_PACKAGE = "omni_patches_test_cpu_platform"
+#: TEST SUPPORT env switch read by serving_cpu_platform.py: "1" makes a diffusion stage process hang in its start-up.
+STAGE_INIT_HANG = "OMNI_SERVING_TEST_STAGE_INIT_HANG"
 # The entry point's module must not import vllm_omni: vllm-omni loads it while resolving its own platform.
 _PLATFORM_INIT = f'''"""TEST SUPPORT: registers the CPU platform of omni-patches' serving tier (see .platform)."""
 
@@ -314,6 +316,14 @@ class Server:
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
+
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now (one try)."""
+        try:
+            with urllib.request.urlopen(self.url("/health"), timeout=5) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def wait_healthy(self, timeout: float = 600) -> float:
         deadline = time.monotonic() + timeout

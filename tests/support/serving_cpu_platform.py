@@ -10,6 +10,11 @@ dispatch per platform with no CPU branch (``diffusion/attention/backends/abstrac
 * its diffusion attention backend is ``serving_cpu_attention.CpuSDPABackend``: vllm-omni's own ``SDPABackend``
   whose ``forward`` runs the backend's torch SDPA path on CPU.
 
+One test-support switch, for the serving tier's start-up deadline case: with ``OMNI_SERVING_TEST_STAGE_INIT_HANG=1``
+in a server's environment, a diffusion stage process (the spawned ``StageDiffusionProc``) blocks for good while
+it starts, at its import of this platform -- before its handshake's READY, as a stage stuck in a model download or
+device init would. The API server and every other process are unaffected; no server of the tier sets it otherwise.
+
 ``support.serving`` copies this file as ``omni_patches_test_cpu_platform/platform.py`` (and the backend as
 ``attention.py``) into a directory on the test
 server's ``PYTHONPATH`` (the stack venvs are not changed), next to a dist-info that registers the package's
@@ -17,6 +22,11 @@ server's ``PYTHONPATH`` (the stack venvs are not changed), next to a dist-info t
 never installed by it.
 """
 from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
 
 import torch
 from vllm.platforms.cpu import CpuPlatform
@@ -57,6 +67,22 @@ def _keep_linear_weights() -> None:
 
 
 _keep_linear_weights()
+
+#: TEST SUPPORT env switch (see the module docstring): "1" makes a diffusion stage process hang while it starts.
+STAGE_INIT_HANG = "OMNI_SERVING_TEST_STAGE_INIT_HANG"
+
+
+def _hang_in_stage_start_up() -> None:
+    """Block this process for good if it is a diffusion stage process and the test-support switch is on."""
+    if os.environ.get(STAGE_INIT_HANG) != "1" or multiprocessing.current_process().name != "StageDiffusionProc":
+        return
+    print(f"[omni-patches test support] {STAGE_INIT_HANG}=1: diffusion stage process {os.getpid()} hangs in its "
+          "start-up", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
+_hang_in_stage_start_up()
 
 
 class CpuOmniPlatform(OmniPlatform, CpuPlatform):
