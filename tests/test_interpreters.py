@@ -1,5 +1,6 @@
 """Real interpreters: a fresh venv with the project pip-installed, its .pth acting at start-up."""
 import json
+import re
 import shutil
 import sys
 import textwrap
@@ -317,7 +318,9 @@ def test_huge_master_value_is_not_echoed(venv):
         out = subprocess.run([str(exe), *args], capture_output=True, text=True,
                              env=clean_env(OMNI_PATCHES=value, OMNI_PATCHES_CONFIG=venv["registry"]))
         assert "100000 characters" in out.stdout and value not in out.stdout + out.stderr, args
-        assert len(out.stdout) < 20_000, (args, len(out.stdout))
+        # Quoted cut short wherever it is shown (the output's own length grows with the catalogue).
+        longest = max((len(run) for run in re.findall("x+", out.stdout + out.stderr)), default=0)
+        assert longest <= 200, (args, longest)
 
 
 def test_cli_exit_code_survives_a_closed_pipe(venv):
