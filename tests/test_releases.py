@@ -120,3 +120,20 @@ def test_a_stand_in_over_a_real_file_leaves_the_release_as_it_was():
     assert "MARK = 1" in (sandbox / init).read_text()
     assert (rel.root() / init).read_bytes() == before and b"MARK = 1" not in before
     assert (sandbox / ASYNC_OMNI).stat().st_ino == (rel.root() / ASYNC_OMNI).stat().st_ino  # the rest still linked
+
+
+def _shim_variables():
+    """Run in the child: the OMNI_PATCHES* variables it was given."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k.startswith("OMNI_PATCHES")}
+
+
+def test_a_child_keeps_the_shims_settings_and_drops_its_switches(omni, monkeypatch):
+    """The session's state directory reaches the child (a stage process it forks and kills left its record in the
+    production directory when it did not), the switches do not."""
+    import os
+
+    monkeypatch.setenv("OMNI_PATCHES", "1")
+    monkeypatch.setenv("OMNI_PATCHES_LORA_ACCEL_DELTA", "0")
+    assert omni.call(_shim_variables) == {"OMNI_PATCHES_STATE_DIR": os.environ["OMNI_PATCHES_STATE_DIR"]}

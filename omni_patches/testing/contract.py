@@ -49,6 +49,11 @@ from typing import Callable
 from omni_patches.tools import atomic
 
 
+#: The ``OMNI_PATCHES*`` variables a child keeps when its switches are dropped: an overlay's registry, where records
+#: go (a test session points it at its own directory), the log level -- settings, not switches.
+KEPT_SETTINGS = ("OMNI_PATCHES_CONFIG", "OMNI_PATCHES_STATE_DIR", "OMNI_PATCHES_LOG_LEVEL")
+
+
 def cache_dir() -> Path:
     """Where :meth:`Env.edited` keeps its edited copies: ``$OMNI_TEST_CACHE`` or ``~/.cache/omni-patches-tests``."""
     return Path(os.environ.get("OMNI_TEST_CACHE") or Path.home() / ".cache" / "omni-patches-tests")
@@ -159,8 +164,7 @@ def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
     if env is None:
-        keep = ("OMNI_PATCHES_CONFIG", "OMNI_PATCHES_STATE_DIR", "OMNI_PATCHES_LOG_LEVEL")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") or k in keep}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") or k in KEPT_SETTINGS}
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")])
     argv = [case_ref, kind, str(index)]

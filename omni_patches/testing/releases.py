@@ -54,7 +54,7 @@ from pathlib import Path
 
 from omni_patches.tools import atomic, index
 
-from .contract import Env, cache_dir, run_code
+from .contract import KEPT_SETTINGS, Env, cache_dir, run_code
 
 CACHE = cache_dir()
 #: ``PYTHONPYCACHEPREFIX`` of the children: bytecode of the real trees is kept once, not beside the sources.
@@ -575,9 +575,11 @@ class Release:
         return Env(label or self.name, self.paths, dict(env or {}), imports)
 
     def child_env(self, extra: dict | None = None, pythonpath=()) -> dict:
-        """The environment of a child on this release: this one's without the shim's switches, one OpenMP thread,
-        bytecode under the cache, ``PYTHONPATH`` = ``pythonpath``, the release's paths, then this checkout."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES")}
+        """The environment of a child on this release: this one's without the shim's switches (its settings stay,
+        :data:`~omni_patches.testing.contract.KEPT_SETTINGS`: a child that activates the shim, and any process it
+        forks, records where this one does), one OpenMP thread, bytecode under the cache, ``PYTHONPATH`` =
+        ``pythonpath``, the release's paths, then this checkout."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") or k in KEPT_SETTINGS}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env.update({"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONPYCACHEPREFIX": str(PYCACHE),
                     "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"),
