@@ -20,14 +20,16 @@ the worker's ``set_current_vllm_config``. Per MoE forward, the way omni's Hunyua
 
 What cannot run on CPU: vLLM's CPU communicator has no ``all_gatherv`` / ``reduce_scatterv`` (the base class
 raises ``NotImplementedError``; CUDA does them with NCCL), which the AllGather-ReduceScatter manager calls
-with the per-DP-rank sizes from ``dp_metadata``. :func:`cpu_variable_collectives` supplies both over gloo
+with the per-DP-rank sizes from ``dp_metadata``. ``support.cpu_moe_standins.cpu_variable_collectives`` supplies both over gloo
 (pad to the largest size, all-gather, trim; all-reduce, keep this rank's rows) and records each call's group
 and sizes. Everything before and after them is vLLM's. The expert kernels themselves are not run (identity).
 """
 from __future__ import annotations
 
 import importlib
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
+
+from support.cpu_moe_standins import cpu_variable_collectives
 
 HIDDEN = 4
 EXPERTS = 2
@@ -55,61 +57,6 @@ def dp_metadata_facts(md) -> dict | None:
     with md.sp_local_sizes(1) as sizes:
         out["sp_local_sizes(1)"] = list(sizes)
     return out
-
-
-@contextmanager
-def cpu_variable_collectives(calls: list):
-    """gloo stand-ins for the CPU communicator's missing ``all_gatherv`` / ``reduce_scatterv`` (see module doc)."""
-    from unittest import mock
-
-    import torch
-    import torch.distributed as dist
-    from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
-    from vllm.platforms import current_platform
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
-    comm_cls = resolve_obj_by_qualname(current_platform.get_device_communicator_cls())
-
-    # The size checks CUDA's communicator makes (cuda_communicator.py, vLLM 0.24.0: all_gatherv 446-448,
-    # reduce_scatterv 353-354), so a layout error fails here as it does there, instead of slicing wrong rows.
-    def all_gatherv(self, input_, dim=0, sizes=None):
-        assert dim == 0 and sizes is not None
-        calls.append({"op": "all_gatherv", "ranks": dist.get_process_group_ranks(self.device_group),
-                      "sizes": list(sizes)})
-        assert len(sizes) == self.world_size, f"{len(sizes)} == {self.world_size}"
-        out = []
-        for t in input_ if isinstance(input_, list) else [input_]:
-            assert t.shape[0] == sizes[self.rank_in_group], f"{t.shape[0]} != {sizes[self.rank_in_group]}"
-            padded = torch.zeros((max(sizes),) + tuple(t.shape[1:]), dtype=t.dtype)
-            padded[: t.shape[0]] = t
-            parts = [torch.empty_like(padded) for _ in sizes]
-            dist.all_gather(parts, padded, group=self.device_group)
-            out.append(torch.cat([p[:n] for p, n in zip(parts, sizes)]))
-        return out if isinstance(input_, list) else out[0]
-
-    def reduce_scatterv(self, input_, dim=-1, sizes=None):
-        assert dim == 0 and sizes is not None
-        calls.append({"op": "reduce_scatterv", "ranks": dist.get_process_group_ranks(self.device_group),
-                      "sizes": list(sizes)})
-        assert len(sizes) == self.world_size, f"{len(sizes)} == {self.world_size}"
-        assert input_.shape[0] == sum(sizes), f"reduce_scatterv: {input_.shape[0]} rows against sizes {list(sizes)}"
-        total = input_.clone()
-        dist.all_reduce(total, group=self.device_group)
-        me = dist.get_rank(group=self.device_group)
-        start = sum(sizes[:me])
-        return total[start:start + sizes[me]]
-
-    stack = []
-    for name, impl in (("all_gatherv", all_gatherv), ("reduce_scatterv", reduce_scatterv)):
-        if getattr(comm_cls, name) is getattr(DeviceCommunicatorBase, name):  # not implemented on CPU
-            stack.append(mock.patch.object(comm_cls, name, impl))
-    for p in stack:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in reversed(stack):
-            p.stop()
 
 
 def dispatch_combine(hidden, logits) -> dict:

@@ -12,13 +12,9 @@ by its expert map). Each rank feeds its own tokens -- the SP shard of its CFG·D
 
 Declared stand-ins, only where CPU vLLM lacks a piece (:func:`install_standins`, a setup hook):
 
-* vLLM's CPU experts ignore the expert map (``CPUFusedMOE.__call__`` does not pass it on; global expert ids
-  index the local expert list: ``IndexError`` with EP on). ``CPUFusedMOE.forward_torch`` is wrapped: global ids
-  are translated through the layer's ``expert_map`` to local ids, experts held elsewhere get weight 0, and the
-  real ``forward_torch`` runs once per top-k column (it counts tokens per expert with ``scatter_``, which cannot
-  see an id twice in one row). Without EP (no expert map) the real call runs untouched.
-* vLLM's CPU communicator has no ``all_gatherv`` / ``reduce_scatterv``:
-  :func:`ep_moe_forward.cpu_variable_collectives` (gloo, with CUDA's size checks).
+* vLLM's CPU experts ignore the expert map, and its CPU communicator has no ``all_gatherv`` /
+  ``reduce_scatterv``: the two stand-ins of ``support.cpu_moe_standins`` (shared with the serving tier's
+  multi-rank servers; the module says what each does).
 * vLLM 0.18.1's CPU communicator has no all-gather/reduce-scatter all2all manager: it falls back to its naive
   manager, which broadcasts each DP rank's tokens from the first EP ranks (it assumes EP == DP) -- wrong rows
   with EP = TP·CFG (the ``cpu_naive`` phase shows it). CUDA builds vLLM's own ``AgRsAll2AllManager`` for the
@@ -44,32 +40,11 @@ def install_standins() -> None:
     """setup hook (every rank): the two declared stand-ins, for the rank's lifetime."""
     from unittest import mock
 
-    import torch
-    from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+    from support.cpu_moe_standins import cpu_variable_collectives, translate_expert_map
 
-    from patches.moe_ep_parallel_mapping.ep_moe_forward import cpu_variable_collectives
-
-    cls = cpu_fused_moe.CPUFusedMOE
-    real = cls.forward_torch
-
-    def forward_torch(self, layer, input, topk_weights, topk_ids, activation, global_num_experts=-1,
-                      skip_weighted=False):
-        emap = getattr(layer, "expert_map", None)
-        if emap is None:
-            STANDIN_CALLS["untouched"] += 1
-            return real(self, layer, input, topk_weights, topk_ids, activation, global_num_experts, skip_weighted)
-        STANDIN_CALLS["translated"] += 1
-        local = emap.to(torch.int64)[topk_ids.to(torch.int64)]
-        out = torch.zeros_like(input)
-        for k in range(topk_ids.shape[1]):
-            ids = local[:, k:k + 1]
-            held = ids >= 0
-            weights = torch.where(held, topk_weights[:, k:k + 1], torch.zeros_like(topk_weights[:, k:k + 1]))
-            out += real(self, layer, input, weights, ids.clamp(min=0).to(topk_ids.dtype), activation,
-                        layer.local_num_experts, skip_weighted)
-        return out
-
-    mock.patch.object(cls, "forward_torch", forward_torch).start()
+    for block in (translate_expert_map(STANDIN_CALLS), cpu_variable_collectives(STANDIN_CALLS["gatherv"])):
+        block.__enter__()  # held: on for the rank's lifetime
+        _KEEP.append(block)
 
     from vllm.config import get_current_vllm_config
     from vllm.distributed.device_communicators import all2all
@@ -88,8 +63,6 @@ def install_standins() -> None:
             STANDIN_CALLS["agrs_managers"] = STANDIN_CALLS.get("agrs_managers", 0) + 1
 
     mock.patch.object(comm_cls, "__init__", __init__).start()
-    _KEEP.append(cpu_variable_collectives(STANDIN_CALLS["gatherv"]))  # held: on for the rank's lifetime
-    _KEEP[-1].__enter__()
 
 
 def block_config():
