@@ -15,7 +15,9 @@ How:         wrapt wrappers on the manager's lifecycle methods (__init__, set_ac
              raises), one sync restores the post-condition: no adapter active (or closed) ->
              set_lora_context(None) on every MoE runner that has a callable set_lora_context; an adapter
              active after a detach -> set_mapping(punica) on those wrappers again. Runners without
-             set_lora_context (GPU) are never touched; nothing runs per forward. Details: docs/patches.md.
+             set_lora_context (GPU) are never touched; nothing runs per forward. Where nothing can be acted on,
+             ``status`` says why (no vllm-ascend installed; a manager whose MoE-LoRA layers all run on
+             runners without set_lora_context). Details: docs/patches.md.
 Remove when: vllm-omni detaches the MoE-LoRA context itself while no adapter is active (or vllm-ascend skips the
              LoRA work per forward on every supported release) and 0.32.0rc1 is no longer supported
 """
@@ -37,6 +39,13 @@ _OWN_DETACH = re.compile(r"(detach|unpublish|clear|withdraw|retract|drop)_moe_lo
 _STATE = "_omni_patches_moe_idle"  # per-manager [depth, detached, {id: wrapper seen during the call}]
 _LOG = logging.getLogger("omni_patches")
 PATCH_ID = "moe-lora-idle-detach"
+# status note (key "runners"): what this process's MoE runners let the patch do.
+NO_ASCEND = ("nothing to act on in this process so far: no vllm-ascend is installed, and only its MoE runners take "
+             "a MoE-LoRA context (set_lora_context); vLLM's own MoE runner has none, so an idle context costs "
+             "nothing here")
+NO_CONTEXT_RUNNER = ("nothing to act on: this manager's {n} MoE-LoRA layer(s) run on MoE runners without "
+                     "set_lora_context (vLLM's; only vllm-ascend's take a MoE-LoRA context)")
+ACTS_ON = "acts on {n} MoE runner(s) that take a MoE-LoRA context"
 
 
 
@@ -79,16 +88,21 @@ def apply(ctx):
     ctx.on_undo(functools.partial(_republish_all, detached))
     for name in LIFECYCLE:
         ctx.wrap("DiffusionLoRAManager", name, functools.partial(_lifecycle, run))
+    if ctx.version("vllm-ascend") is None:
+        ctx.note(NO_ASCEND, key="runners")
 
 
-def _moe_wrappers(mgr):
-    """MoE LoRA wrappers whose runner takes a context via ``set_lora_context`` (Ascend-like)."""
+def _moe_wrappers(mgr, counted=None):
+    """MoE LoRA wrappers whose runner takes a context via ``set_lora_context`` (Ascend-like); ``counted`` (a
+    list) also gets every MoE LoRA wrapper, with or without one."""
     mod = sys.modules.get("vllm.lora.layers.fused_moe")
     moe_cls = getattr(mod, "FusedMoEWithLoRA", None)
     out = []
     for layer in list((getattr(mgr, "_lora_modules", None) or {}).values()):
         if moe_cls is not None and not isinstance(layer, moe_cls):
             continue
+        if counted is not None and moe_cls is not None:
+            counted.append(layer)
         if callable(getattr(getattr(layer, "base_layer", None), "set_lora_context", None)):
             out.append(layer)
     return out
@@ -116,7 +130,12 @@ def _lifecycle(run, wrapped, instance, args, kwargs):
 
 def _sync(run, mgr, state):
     try:
-        current = _moe_wrappers(mgr)
+        moe_layers = []
+        current = _moe_wrappers(mgr, moe_layers)
+        if current:
+            run.note(ACTS_ON.format(n=len(current)), key="runners")
+        elif moe_layers and not state[2]:
+            run.note(NO_CONTEXT_RUNNER.format(n=len(moe_layers)), key="runners")
         seen = {**state[2], **{id(w): w for w in current}}
         state[2] = {}
         active = getattr(mgr, "_active_adapter_id", None) is not None and not getattr(mgr, "_closed", False)

@@ -38,9 +38,11 @@ LIFECYCLE = """
         omni_patches.activate(force=True)
     from patches.moe_lora_idle_detach import omni_manager as om
     import vllm_omni.diffusion.lora.manager as manager
-    status = {s.id: s for s in omni_patches.status()}["moe-lora-idle-detach"].state if patched else "off"
+    def record():
+        return {s.id: s for s in omni_patches.status()}["moe-lora-idle-detach"] if patched else None
+    status = record().state if patched else "off"
     sb = types.SimpleNamespace(DiffusionLoRAManager=manager.DiffusionLoRAManager)
-    out = {"status": status, "runs": {}}
+    out = {"status": status, "runs": {}, "reason_at_import": record() and record().reason}
 
     def factory(eager):
         def build(pipe):
@@ -83,6 +85,7 @@ LIFECYCLE = """
         seen.append(pipe.ascend_runner.lora_context is not None)
     seen.append(pipe.ascend_runner.lora_context is not None)
     out["suspended"] = seen
+    out["reason_after_use"] = record() and record().reason
     if patched:
         omni_patches.unapply("moe-lora-idle-detach")
         mgr.set_active_adapter(None)
@@ -133,6 +136,16 @@ def test_gpu_like_runner_is_never_touched(stock, patched):
         assert not run["gpu_set_lora_context"]
         assert run["gpu_calls"] == base["gpu_calls"], name  # same publishes as stock, none of ours
         assert [s["gpu"] for s in run["steps"]] == [s["gpu"] for s in base["steps"]], name
+
+
+def test_status_says_what_the_runners_let_it_do(patched):
+    """No vllm-ascend here: until a manager shows a runner that takes a context, status says there is nothing to
+    act on and why; once the manager's Ascend-like runner was seen, it says it acts on it."""
+    from omni_patches.patches import moe_lora_idle_detach as patch
+
+    assert patch.NO_ASCEND in patched["reason_at_import"], patched["reason_at_import"]
+    assert patch.ACTS_ON.format(n=1) in patched["reason_after_use"], patched["reason_after_use"]
+    assert patch.NO_ASCEND not in patched["reason_after_use"]
 
 
 def test_suspended_and_undo(patched):
