@@ -35,7 +35,7 @@ from support import stacks  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--omni", default="0.28.0", choices=stacks.SUPPORTED)
+    ap.add_argument("--omni", default="0.28.0", choices=serving.WAN_STACKS)
     ap.add_argument("--out", type=Path, default=None, help="where to write the PNG (default: the cache directory)")
     ap.add_argument("--plan", action="store_true",
                     help="install uv if needed, resolve the stack's packages, print them, and stop (nothing served)")

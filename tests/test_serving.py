@@ -85,7 +85,6 @@ import pytest
 from omni_patches import fleet
 
 from support import serving
-from support.stacks import SUPPORTED
 
 pytestmark = [pytest.mark.serving, pytest.mark.stack]
 
@@ -385,7 +384,7 @@ def watch_init_hang(server):
     return out
 
 
-@pytest.fixture(scope="module", params=SUPPORTED)
+@pytest.fixture(scope="module", params=serving.WAN_STACKS)
 def run(request):
     omni = request.param
     serving.serving_python(omni)  # the stack, with this checkout installed
@@ -713,9 +712,14 @@ def test_sleep_after_a_stage_subprocess_was_killed(run):
     assert sleep_answer(shim["sleep"]) == (500, "Failed to sleep"), shim["sleep"]
     assert shim["sleep"]["seconds"] < DEAD_STAGE_DEADLINE_S / 2, shim["sleep"]
     if run.omni in PATCHES_AFFECTED_SEND:
-        # One of the two patches met the dead subprocess where stock blocks.
-        assert DROP_NOTE in notes["omni-stage-shutdown-nonblocking"] or SEND_NOTE in notes[
-            "omni-stage-send-dead-engine"], notes
+        met = DROP_NOTE in notes["omni-stage-shutdown-nonblocking"] or SEND_NOTE in notes["omni-stage-send-dead-engine"]
+        if not met:
+            # Neither of the shim's sends to the dead subprocess would have blocked in this run (upstream's race, as
+            # in stock's branch below: the message went into the socket's queue before the peer was seen gone):
+            # only acceptable where the shim's orchestrator evicted the dead replica before the stop, as stock's does
+            # when it answers. Seen once in CI (0.28.0), under load.
+            assert re.search(EVICTED, shim["log_before_stop"]), (notes, shim["log_tail"])
+            print(f"{run.omni}: the shim's sends to the dead subprocess did not block; neither patch had to act")
         if stock["sleep"]["status"] is None:  # the negative control: stock never answers
             assert stock["sleep"]["seconds"] >= DEAD_STAGE_DEADLINE_S, stock["sleep"]
         else:

@@ -16,12 +16,17 @@ from support.venvs import clean_env
 pytestmark = pytest.mark.stack
 
 COMMON = [
-    "vllm_omni.diffusion.lora.loader",
     "vllm_omni.diffusion.distributed.parallel_state",
     "vllm_omni.diffusion.worker.diffusion_worker",
 ]
+_LORA = ["vllm_omni.diffusion.lora.loader"]  # 0.24.0rc1+; 0.22.0 has only lora.manager
 EXTRA = {
-    "0.32.0rc1": ["vllm_omni.diffusion.lora.manager"],
+    # the EP patch's targets on the one stack where it is in range (the MoE serving tier's HunyuanImage3)
+    "0.22.0": ["vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer",
+               "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_fused_moe"],
+    "0.28.0": _LORA,
+    "0.30.0": _LORA,
+    "0.32.0rc1": _LORA + ["vllm_omni.diffusion.lora.manager"],
 }
 MOE_LORA_STACK = "0.32.0rc1"  # the stack whose vLLM has FusedMoEWithLoRA in vllm.lora.layers
 

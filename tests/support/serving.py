@@ -45,7 +45,13 @@ SERVING_EXTRAS: dict[str, list[str]] = {
     "0.28.0": _COMMON_EXTRAS,
     "0.30.0": _COMMON_EXTRAS + [_AV],
     "0.32.0rc1": _COMMON_EXTRAS + [_AV],
+    # HunyuanImage3's DiT-only pipeline on 0.22.0: its API server imports pydub, the model x-transformers (einx,
+    # frozendict are that one's imports).
+    "0.22.0": _COMMON_EXTRAS + [_AV, "pydub==0.25.1", "x-transformers==2.12.2", "einx==0.4.3", "frozendict==2.5.1"],
 }
+#: The stacks the Wan serving tier (tests/test_serving.py) runs on; 0.22.0 serves the MoE tier's tiny
+#: HunyuanImage3 (tests/test_serving_moe.py), where the EP patch is in range.
+WAN_STACKS = ("0.28.0", "0.30.0", "0.32.0rc1")
 
 PLATFORM_PACKAGE = "omni_patches_test_cpu_platform"
 #: TEST SUPPORT env switch read by serving_cpu_platform.py: "1" makes a diffusion stage process hang in its start-up.
