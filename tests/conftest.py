@@ -109,7 +109,7 @@ def pytest_configure(config):
 #: Files whose tests start whole servers or clusters, or many ranks at once: under pytest-xdist (``--dist
 #: loadgroup``) they form one group, run one after another on one worker, never beside each other; every other
 #: test spreads over the workers.
-HEAVY = ("test_serving.py", "test_ray_cluster.py", "test_moe_ep.py", "test_moe_ep_numeric.py",
+HEAVY = ("test_serving.py", "test_serving_moe.py", "test_ray_cluster.py", "test_moe_ep.py", "test_moe_ep_numeric.py",
          "test_executor_failure.py")
 
 

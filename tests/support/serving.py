@@ -124,6 +124,8 @@ def _plugin_files(target: Path) -> None:
     (pkg / "__init__.py").write_text(_PLATFORM_INIT)
     shutil.copyfile(SUPPORT / "serving_cpu_platform.py", pkg / "platform.py")
     shutil.copyfile(SUPPORT / "serving_cpu_attention.py", pkg / "attention.py")
+    # The CPU MoE stand-ins, installed by the platform only under OMNI_SERVING_TEST_MOE_STANDINS=1 (MoE tier).
+    shutil.copyfile(SUPPORT / "cpu_moe_standins.py", pkg / "moe_standins.py")
     info = target / f"{PLATFORM_PACKAGE}-0.0.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLATFORM_PACKAGE}\nVersion: 0.0.0\n"
@@ -161,7 +163,8 @@ def extras_dir(omni: str) -> Path:
 def plugin_dir() -> Path:
     """The CPU platform package + its dist-info (``vllm_omni.platform_plugins``) and the torchaudio stand-in."""
     recipe = json.dumps([(SUPPORT / "serving_cpu_platform.py").read_text(),
-                         (SUPPORT / "serving_cpu_attention.py").read_text(), _PLATFORM_INIT, _TORCHAUDIO_STANDIN,
+                         (SUPPORT / "serving_cpu_attention.py").read_text(),
+                         (SUPPORT / "cpu_moe_standins.py").read_text(), _PLATFORM_INIT, _TORCHAUDIO_STANDIN,
                          _TORCHAUDIO_FUNCTIONAL])
     return _cached_dir("plugin", recipe, _plugin_files)
 
@@ -173,19 +176,47 @@ def server_path(omni: str) -> str:
 
 def tiny_model(omni: str) -> dict:
     """The tiny Wan model and its LoRA files, written once per stack (``support/serving_model.py``)."""
+    return _written_model(omni, "serving_model.py", "model", "SERVING_MODEL")
+
+
+def tiny_hy3_model(omni: str) -> dict:
+    """The tiny HunyuanImage3 (DiT-only serving; ``support/serving_model_hy3.py``), written once per stack. The
+    writer imports vllm-omni's HunyuanImage3 modules, which need a resolved platform: it runs with the test
+    server's ``PYTHONPATH`` (the CPU platform plugin)."""
+    return _written_model(omni, "serving_model_hy3.py", "model-hy3", "SERVING_MODEL_HY3",
+                          env={"PYTHONPATH": server_path(omni)})
+
+
+def hy3_deploy_yaml(path, **parallel) -> Path:
+    """A DiT-only deploy YAML for the tiny HunyuanImage3 (``serving_model_hy3.deploy_yaml``: ``tp``, ``cfg``,
+    ``ulysses``, ``ring``, ``ep``, ``seed``), for ``--deploy-config``. Plain text: written by this interpreter."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("omni_serving_model_hy3", SUPPORT / "serving_model_hy3.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.deploy_yaml(path, **parallel)
+
+
+def _written_model(omni: str, script: str, name: str, tag: str, env: dict | None = None) -> dict:
+    """What ``support/<script> OUT`` writes with the stack's interpreter, once per stack and script text, under
+    ``SERVING/<name>-<omni>-<hash>``: its ``<tag> {json}`` line, paths made relative to the directory."""
     python = stack_python(omni)
-    src = (SUPPORT / "serving_model.py").read_text()
-    dst = SERVING / f"model-{omni}-{hashlib.sha256(src.encode()).hexdigest()[:12]}"
+    src = (SUPPORT / script).read_text()
+    dst = SERVING / f"{name}-{omni}-{hashlib.sha256(src.encode()).hexdigest()[:12]}"
     info = dst / "info.json"
     with locked(f"serving-{dst.name}"):
         if not info.exists():
             tmp = dst.with_name(dst.name + ".part")
             shutil.rmtree(tmp, ignore_errors=True)
-            proc = subprocess.run([str(python), str(SUPPORT / "serving_model.py"), str(tmp)], capture_output=True,
-                                  text=True, env=_clean_child_env(), timeout=600)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SERVING_MODEL ")]
+            child_env = _clean_child_env()
+            child_env.update(env or {})
+            proc = subprocess.run([str(python), str(SUPPORT / script), str(tmp)], capture_output=True,
+                                  text=True, env=child_env, timeout=600)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag + " ")]
             if proc.returncode or not lines:
-                raise RuntimeError(f"writing the tiny model failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+                raise RuntimeError(f"writing the tiny model ({script}) failed:\n{proc.stdout[-3000:]}\n"
+                                   f"{proc.stderr[-5000:]}")
             written = json.loads(lines[-1].split(" ", 1)[1])
             shutil.rmtree(dst, ignore_errors=True)
             tmp.rename(dst)
@@ -350,10 +381,11 @@ class Server:
         raise ServerFailed(f"server {self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 
     def image(self, prompt: str = "a red cat sits on the mat", *, size: str = "64x64", steps: int = 2, seed: int = 0,
-              lora: dict | None = None, timeout: float = 300) -> bytes:
-        """PNG bytes of one ``/v1/images/generations`` request."""
+              lora: dict | None = None, timeout: float = 300, guidance_scale: float = 1.0) -> bytes:
+        """PNG bytes of one ``/v1/images/generations`` request (``guidance_scale`` > 1: classifier-free guidance,
+        what a CFG-parallel server splits)."""
         body = {"prompt": prompt, "size": size, "num_inference_steps": steps, "seed": seed, "n": 1,
-                "response_format": "b64_json", "guidance_scale": 1.0}
+                "response_format": "b64_json", "guidance_scale": guidance_scale}
         if lora is not None:
             body["lora"] = lora
         req = urllib.request.Request(self.url("/v1/images/generations"), data=json.dumps(body).encode(),

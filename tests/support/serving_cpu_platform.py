@@ -15,6 +15,13 @@ in a server's environment, a diffusion stage process (the spawned ``StageDiffusi
 it starts, at its import of this platform -- before its handshake's READY, as a stage stuck in a model download or
 device init would. The API server and every other process are unaffected; no server of the tier sets it otherwise.
 
+For the MoE serving tier (a tiny HunyuanImage3 on vllm-omni 0.22.0, tests/test_serving_moe.py) it also answers
+``get_current_memory_usage`` (this process's RSS), answers ``get_device_count`` from
+``OMNI_SERVING_TEST_DEVICE_COUNT`` (default 1: a multi-rank server sets its world size), runs ``GroupNorm`` in fp32
+when its input's dtype differs from its parameters' (the VAE decodes under fp16 autocast), and, with
+``OMNI_SERVING_TEST_MOE_STANDINS=1`` only, installs the CPU MoE stand-ins (``moe_standins``, a copy of
+``support/cpu_moe_standins.py``) in every process of the server. The Wan servers set neither switch.
+
 ``support.serving`` copies this file as ``omni_patches_test_cpu_platform/platform.py`` (and the backend as
 ``attention.py``) into a directory on the test
 server's ``PYTHONPATH`` (the stack venvs are not changed), next to a dist-info that registers the package's
@@ -84,6 +91,72 @@ def _hang_in_stage_start_up() -> None:
 
 _hang_in_stage_start_up()
 
+#: TEST SUPPORT env switches of the MoE serving tier (tests/test_serving_moe.py): how many "devices" the platform
+#: answers (a multi-rank server sets its world size; default 1), and "1" to install the CPU MoE stand-ins
+#: (``moe_standins``, a copy of tests/support/cpu_moe_standins.py) in every process of the server.
+DEVICE_COUNT = "OMNI_SERVING_TEST_DEVICE_COUNT"
+MOE_STANDINS = "OMNI_SERVING_TEST_MOE_STANDINS"
+
+
+def _group_norm_in_parameter_dtype() -> None:
+    """TEST SUPPORT: ``torch.nn.GroupNorm`` runs in fp32 when its input's dtype is not its parameters'.
+
+    HunyuanImage3's VAE decodes under fp16 autocast (``autocast`` does not cover ``group_norm`` on CPU), so a bf16
+    GroupNorm meets fp16 activations and ``F.group_norm`` refuses the mix; an accelerator's autocast upcasts it.
+    Same dtypes: the real forward, untouched."""
+    GroupNorm = torch.nn.GroupNorm
+    if getattr(GroupNorm.forward, "_omni_test_fp32_mixed", False):
+        return
+    real = GroupNorm.forward
+
+    def forward(self, input):
+        weight = self.weight
+        if weight is None or input.dtype == weight.dtype:
+            return real(self, input)
+        bias = self.bias.float() if self.bias is not None else None
+        out = torch.nn.functional.group_norm(input.float(), self.num_groups, weight.float(), bias, self.eps)
+        return out.to(input.dtype)
+
+    forward._omni_test_fp32_mixed = True
+    GroupNorm.forward = forward
+
+
+_group_norm_in_parameter_dtype()
+
+
+def _rss(cls=None, device=None) -> float:
+    import psutil
+
+    return float(psutil.Process().memory_info().rss)
+
+
+def _cpu_memory_usage() -> None:
+    """TEST SUPPORT: vLLM's ``CpuPlatform`` (vLLM's own ``current_platform`` in these processes) answers
+    ``get_current_memory_usage`` with this process's RSS; its base raises ``NotImplementedError``, and vllm-omni's
+    diffusion model runner measures its load with ``DeviceMemoryProfiler``, which asks vLLM's platform."""
+    from vllm.platforms.interface import Platform
+
+    if CpuPlatform.get_current_memory_usage.__func__ is Platform.get_current_memory_usage.__func__:
+        CpuPlatform.get_current_memory_usage = classmethod(_rss)
+
+
+_cpu_memory_usage()
+
+
+def _moe_standins() -> None:
+    """TEST SUPPORT: with ``OMNI_SERVING_TEST_MOE_STANDINS=1``, the CPU MoE stand-ins for this process's life
+    (expert map honoured by CPU experts, gloo ``all_gatherv``/``reduce_scatterv``; one ``OMNI_TEST_MOE_LAYOUT``
+    line per process that runs an EP MoE layer). Without it (every Wan server) nothing is installed."""
+    if os.environ.get(MOE_STANDINS) != "1":
+        return
+    import importlib
+
+    package = __name__.rpartition(".")[0]
+    importlib.import_module(f"{package}.moe_standins" if package else "moe_standins").install_in_process()
+
+
+_moe_standins()
+
 
 class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     """vLLM's CPU platform plus the vllm-omni interface, answering for one CPU "device"."""
@@ -121,7 +194,13 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def get_device_count(cls) -> int:
-        return 1
+        # TEST SUPPORT: a multi-rank server needs as many "devices" as ranks (OMNI_SERVING_TEST_DEVICE_COUNT).
+        return int(os.environ.get(DEVICE_COUNT, "1"))
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        # TEST SUPPORT: what the worker measures around its model load -- this process's resident memory.
+        return _rss(cls, device)
 
     @classmethod
     def get_device_version(cls):
