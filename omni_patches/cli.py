@@ -194,6 +194,7 @@ def cmd_all_processes(args):
     for r in shown:
         if r.get("inactive") and "error" not in r:
             print(f"pid {r.get('pid')} ({r.get('role')}): omni-patches is {r['inactive']}")
+    _print_notes(shown, ids)
     for inst, info in instances.items():
         if info.get("expected_workers") is not None:
             layout = " × ".join(f"{k.upper()} {info[k + '_size']}" for k in ("tp", "pp", "dp")
@@ -219,6 +220,23 @@ def cmd_all_processes(args):
     if leftovers:
         print(f"{len(leftovers)} temp file(s) of writers killed mid-write (`omni-patches status --prune` removes them)")
     return 0
+
+
+def _print_notes(shown, ids):
+    """What the patches noted at call time in each live process (a mapping made, a fallback taken, a warning),
+    under the table: one line per distinct note, with the processes that hold it."""
+    held = {}
+    for r in shown:
+        if "error" in r or r.get("status") == "gone":
+            continue
+        who = f"{r.get('pid')}" + (f" (rank {r['rank']})" if r.get("rank") is not None else "")
+        for pid in ids:
+            for text in (r.get("patches", {}).get(pid, {}).get("notes") or ()):
+                held.setdefault((pid, text), []).append(who)
+    if held:
+        print("noted at call time:")
+        for (pid, text), who in held.items():
+            print(f"  {pid} in {', '.join(who)}: {text}")
 
 
 class _ImpliesAllProcesses(argparse.Action):

@@ -50,9 +50,10 @@ class PatchRun:
         return "; ".join([self.decision.explain(self.reason, self.found), *self.notes.values()])
 
     def view(self):
-        """``{"state", "reason", "targets"}``: what the process record keeps (no lock: a forked child may not
-        get one)."""
-        return {"state": str(self.state), "reason": self.full_reason(), "targets": list(self.applied_targets)}
+        """``{"state", "reason", "targets", "notes"}``: what the process record keeps (no lock: a forked child may
+        not get one). ``notes``: the call-time notes alone (also in ``reason``), for ``status --all-processes``."""
+        return {"state": str(self.state), "reason": self.full_reason(), "targets": list(self.applied_targets),
+                "notes": list(self.notes.values())}
 
     # -- at call time: cheap after the first time, never raise into the patched call ------------------
     def note(self, text, key=None):

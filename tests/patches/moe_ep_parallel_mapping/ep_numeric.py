@@ -224,7 +224,8 @@ def _forward(block, x):
 
 
 def numeric_scenario(rank: int, world_size: int, params: dict) -> dict:
-    """``params``: omni_version, worker_maps_moe_config, phases (ep_world degrees + ``label``, ``control``).
+    """``params``: omni_version, worker_maps_moe_config, phases (ep_world degrees + ``label``, ``control``,
+    ``pretend_ascend``: the vllm-ascend version the patch sees during the init).
     Per phase: worker-style init -> block + weights -> forward of this rank's tokens -> teardown. A phase with
     world size 1 (``reference``) runs every CFG·DP block whole."""
     import omni_patches
@@ -232,7 +233,8 @@ def numeric_scenario(rank: int, world_size: int, params: dict) -> dict:
 
     import vllm_omni.diffusion.distributed.parallel_state as ops
     from support.ep_world import _degrees, make_od_config, settle
-    from patches.moe_ep_parallel_mapping.moe_ep_scenarios import install_model_standins, transformer_module_name
+    from patches.moe_ep_parallel_mapping.moe_ep_scenarios import (_pretend_ascend, install_model_standins,
+                                                                  transformer_module_name)
     from vllm_omni.diffusion.worker import diffusion_worker as dw
 
     version = params["omni_version"]
@@ -250,7 +252,8 @@ def numeric_scenario(rank: int, world_size: int, params: dict) -> dict:
         before = dict(STANDIN_CALLS, gatherv=len(STANDIN_CALLS["gatherv"]))
         control = phase.get("control")
         STANDIN_CALLS["cpu_naive"] = control == "cpu_naive"
-        with _control(control if control in INIT_CONTROLS else None, version):
+        with _control(control if control in INIT_CONTROLS else None, version), \
+                _pretend_ascend(phase.get("pretend_ascend")):
             worker.init_device(init_dist=i == 0)
         ep = getattr(importlib.import_module("vllm.distributed.parallel_state"), "_EP", None)
         mgr = getattr(getattr(ep, "device_communicator", None), "all2all_manager", None)
@@ -296,7 +299,10 @@ EIGHT = [dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, **_EP)]
 SWAP = dict(label="swap-sp-tp", tp=2, sp=2, control="swap_sp_tp", **_EP)
 NO_DP_METADATA = dict(label="no-dp-metadata", tp=2, cfg=2, control="no_dp_metadata", **_EP)
 CPU_NAIVE = dict(label="cpu-naive-manager", tp=2, cfg=2, control="cpu_naive", **_EP)
-PCP_FIRST = dict(label="combine-pcp-first", tp=2, sp=2, cfg=2, control="combine_pcp_first", **_EP)
+# As where the patch maps SP > 1 with CFG·DP > 1 (vllm-ascend installed, ``pretend_ascend``: off Ascend it keeps
+# stock's groups), with vLLM's runner combining in reverse.
+PCP_FIRST = dict(label="combine-pcp-first", tp=2, sp=2, cfg=2, control="combine_pcp_first",
+                 pretend_ascend="0.21.0", **_EP)
 
 
 def worlds_for(version: str, role: str) -> list[dict]:

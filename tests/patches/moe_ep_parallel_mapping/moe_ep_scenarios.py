@@ -39,10 +39,12 @@ _EP = dict(ep=True, moe=True, equiv=True)
 WORLDS = [
     # pretend_ascend: the init sees vllm-ascend 0.18.0 installed, context parallel off (the patch must warn)
     dict(label="tp4-u2", tp=4, sp=2, model=True, reinit=True, pretend_ascend="0.18.0", **_EP),
-    dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, forward=True, **_EP),
-    dict(label="tp2-r2-cfg2", tp=2, ring=2, cfg=2, **_EP),
+    # SP > 1 with CFG·DP > 1: mapped where vllm-ascend is installed (pretend_ascend 0.21.0, no context-parallel
+    # switch needed); off Ascend the patch keeps stock's groups (vLLM's combine order: test_moe_ep_numeric.py)
+    dict(label="tp2-u2-cfg2", tp=2, sp=2, cfg=2, forward=True, pretend_ascend="0.21.0", **_EP),
+    dict(label="tp2-r2-cfg2", tp=2, ring=2, cfg=2, pretend_ascend="0.21.0", **_EP),
     dict(label="tp8", tp=8, **_EP),
-    dict(label="tp2-u2-dp2", tp=2, sp=2, dp=2, forward=True, **_EP),
+    dict(label="tp2-u2-dp2", tp=2, sp=2, dp=2, forward=True, pretend_ascend="0.21.0", **_EP),
     dict(label="tp2-pp2-cfg2", tp=2, pp=2, cfg=2, **_EP),
     dict(label="hsdp4x2", fs=4, replicate=2, **_EP),  # standalone HSDP: omni lays fs x replicate out as dp
 ]

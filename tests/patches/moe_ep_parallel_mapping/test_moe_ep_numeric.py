@@ -17,11 +17,12 @@ Findings pinned here:
 * TP2·SP2 and TP2·CFG2: every patched release and stock 0.24.0 equal world size 1 on every rank (max error
   ~2e-6), FusedMoE's EP size is 4 (stock 0.22.0: 2, every expert copied to each SP/CFG rank, still exact), every
   expert is held exactly once across the EP group.
-* TP2·SP2·CFG2 (SP > 1 and CFG·DP > 1 at once) fails in vLLM's own combine, with the patch and in stock 0.24.0
-  alike: vLLM's MoE runner gathers over DP then PCP but reduces over DP before PCP (36 rows against DP sizes
-  [8, 10]; CUDA asserts the same in ``reduce_scatterv``). Unfixed in every vLLM release checked (0.18.1-0.32.0);
-  the reverse order (vllm#49246, open) gives world size 1's numbers. The patch warns once when it maps such a
-  layout off Ascend.
+* TP2·SP2·CFG2 (SP > 1 and CFG·DP > 1 at once) fails in vLLM's own combine in stock 0.24.0: vLLM's MoE runner
+  gathers over DP then PCP but reduces over DP before PCP (36 rows against DP sizes [8, 10]; CUDA asserts the same
+  in ``reduce_scatterv``). Unfixed in every vLLM release checked (0.18.1-0.32.0); the reverse order (vllm#49246,
+  open) gives world size 1's numbers, with the patch mapping as on Ascend (EP 8). Off Ascend the patch keeps
+  stock's groups there (stock 0.22 runs such a layout; a shim never fails where stock runs) and warns once: world
+  size 1's numbers, EP over TP only.
 * Negative controls fail: SP and TP groups swapped (error ~4), the DP-metadata hook removed (vLLM's
   ``assert dp_metadata is not None``), vLLM 0.18.1's CPU naive all2all manager (wrong rows).
 
@@ -132,11 +133,11 @@ def test_stock_0_22_runs_ep_over_tp_only(stock_0_22):
     assert [r["fused_moe"]["ep_size"] for r in upstream] == [4, 4, 4, 4]
 
 
-def test_sp_with_cfg_fails_in_vllm_combine(release):
-    """TP2·SP2·CFG2: FusedMoE is right (EP 8, one expert per rank) but vLLM's runner gathers DP (8 + 10 rows),
-    then PCP (x2 = 36), and combines over DP first: 36 rows against DP sizes [8, 10], on every rank -- the same
-    with the patch as in stock 0.24.0."""
-    version, patched, numeric = release
+def test_sp_with_cfg_fails_in_vllm_combine_upstream():
+    """Stock 0.24.0, TP2·SP2·CFG2: FusedMoE is right (EP 8, one expert per rank) but vLLM's runner gathers DP
+    (8 + 10 rows), then PCP (x2 = 36), and combines over DP first: 36 rows against DP sizes [8, 10], on every
+    rank. What the patch would meet if it mapped this layout off Ascend."""
+    version, numeric = UPSTREAM, release_run(UPSTREAM, False)["numeric"]
     ranks = _phase(numeric["ws8"], "tp2-u2-cfg2")
     for rank, rec in enumerate(ranks):
         assert rec.get("error") == f"AssertionError: {COMBINE_ERROR}", (version, rank, rec.get("error"))
@@ -157,12 +158,34 @@ def test_combining_pcp_first_gives_world_size_1(version, patched):
     assert all(e is not None and e <= TOL for e in errs), errs
 
 
-def test_patch_warns_about_vllm_combine_order(patched_release):
-    """The patch notes the combine-order limit once where it maps SP > 1 with CFG·DP > 1 (no vllm-ascend in these
-    worlds), and not for TP2·SP2 or TP2·CFG2 alone."""
+def test_patched_keeps_stock_groups_for_sp_with_cfg_off_ascend(patched_release):
+    """Off Ascend (no vllm-ascend in these worlds), TP2·SP2·CFG2: the patch leaves the init stock -- FusedMoE's EP
+    over TP only (2; each TP pair holds all 8 experts, as stock 0.22.0 does), no vLLM PCP/DP, no variable
+    collectives -- and every rank gives world size 1's numbers where stock 0.24.0 fails; the note says why."""
     version, numeric = patched_release
-    assert all(COMBINE_NOTE in r["patch"]["reason"] for r in numeric["ws8"])
+    ranks = _phase(numeric["ws8"], "tp2-u2-cfg2")
+    errs = _errors(numeric, "tp2-u2-cfg2")
+    assert all(e is not None and e <= TOL for e in errs), (version, errs, [r.get("error") for r in ranks])
+    for rec in ranks:
+        fm = rec["fused_moe"]
+        assert (fm["ep_size"], fm["pcp_size"], fm["dp_size"]) == (2, 1, 1), (version, fm)
+        assert rec["standins"]["variable_collectives"] == []
+    for pair in range(0, 8, 2):
+        assert _held_once(ranks[pair:pair + 2])
+    assert all(COMBINE_NOTE in r["patch"]["reason"] and "Not mapped" in r["patch"]["reason"] for r in numeric["ws8"])
     assert all(COMBINE_NOTE not in r["patch"]["reason"] for r in numeric["ws4"])
+
+
+def test_patched_maps_sp_with_cfg_as_on_ascend(patched_release):
+    """Where vllm-ascend is installed the patch maps TP2·SP2·CFG2 as 0.24.0 does: FusedMoE EP 8 (PCP 2, DP 2), each
+    expert held by exactly one rank (vLLM 0.20+; the runner's combine reversed, test_combining_pcp_first...)."""
+    version, numeric = patched_release
+    if version == "0.18.0":
+        pytest.skip("vLLM 0.18.1 runner layout: no combine-pcp-first phase")
+    ranks = _phase(numeric["ws8"], "combine-pcp-first")
+    for rec in ranks:
+        assert (rec["fused_moe"]["ep_size"], rec["fused_moe"]["pcp_size"], rec["fused_moe"]["dp_size"]) == (8, 2, 2)
+    assert _held_once(ranks)
 
 
 # -- negative controls: each must fail -----------------------------------------------------------------
@@ -209,9 +232,9 @@ def combine_warning(mocker):
 
         mocker.patch.object(versions, "installed", side_effect=installed)
         once, note = mocker.spy(log, "once"), mocker.Mock(name="run.note")
-        mod.warn_vllm_combine_order(mocker.Mock(note=note))
+        keep_stock = mod.warn_vllm_combine_order(mocker.Mock(note=note))
         calls = ([c for c in once.call_args_list if c.args[1] == (mod.PATCH_ID, "vllm-combine-order")],
-                 note.call_args_list)
+                 note.call_args_list, keep_stock)
         mocker.stopall()
         return calls
 
@@ -219,7 +242,8 @@ def combine_warning(mocker):
 
 
 def test_combine_order_warning_off_ascend(combine_warning):
-    logged, noted = combine_warning(None)
+    logged, noted, keep_stock = combine_warning(None)
+    assert keep_stock is True  # the init wrapper leaves the groups stock
     assert len(logged) == 1 and logged[0].args[0] == 30
     assert COMBINE_NOTE in logged[0].args[3] and "vLLM 0.24.0" in logged[0].args[3]
     assert len(noted) == 1 and noted[0].kwargs["key"] == "vllm-combine-order" and COMBINE_NOTE in noted[0].args[0]
@@ -227,7 +251,7 @@ def test_combine_order_warning_off_ascend(combine_warning):
 
 def test_no_combine_order_warning_on_ascend(combine_warning):
     """On Ascend vllm-ascend's AllGather path runs instead (``ascend-allgather-finalize-order``)."""
-    assert combine_warning("0.18.0") == ([], [])
+    assert combine_warning("0.18.0") == ([], [], False)  # mapped
 
 
 def test_combine_order_warning_never_raises(mocker):
@@ -235,4 +259,8 @@ def test_combine_order_warning_never_raises(mocker):
     from omni_patches.patches import moe_ep_parallel_mapping as mod
 
     mocker.patch.object(versions, "installed", side_effect=RuntimeError("metadata broken"))
-    mod.warn_vllm_combine_order(mocker.Mock())
+    # Which MoE path runs is unknown: stock's groups, which run on both; the note still says why.
+    note = mocker.Mock(name="run.note")
+    assert mod.warn_vllm_combine_order(mocker.Mock(note=note)) is True
+    assert COMBINE_NOTE in note.call_args.args[0] and "Not mapped" in note.call_args.args[0]
+    assert mod.warn_vllm_combine_order(mocker.Mock(note=mocker.Mock(side_effect=RuntimeError("x")))) is True
