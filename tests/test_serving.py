@@ -75,14 +75,11 @@ import concurrent.futures
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 
 import pytest
-
-from omni_patches import fleet
 
 from support import serving
 
@@ -116,13 +113,13 @@ DEAD_STAGE_DEADLINE_S = 20
 ROUNDING_SAFETY = 1.0
 
 
-class StackRun:
+class StackRun(serving.Steps):
     """The servers of one stack, run phase by phase; each phase's results (or its error) are kept for the tests."""
 
     def __init__(self, omni, workdir):
+        super().__init__()
         self.omni, self.workdir = omni, workdir
         self.model = serving.tiny_model(omni)
-        self.results, self.errors, self.timings = {}, {}, {}
         self.servers = []
         self.stopping = {}  # server name -> Future of a stop still running while later phases go on
 
@@ -137,18 +134,7 @@ class StackRun:
         return self
 
     def phase(self, name):
-        if name not in self.results and name not in self.errors:
-            t0 = time.monotonic()
-            try:
-                self.results[name] = getattr(self, "_" + name)()
-            except Exception as exc:  # reported by every test of the phase
-                self.errors[name] = exc
-            else:
-                self._dump(name)
-            self.timings[name] = round(time.monotonic() - t0, 1)
-        if name in self.errors:
-            raise self.errors[name]
-        return self.results[name]
+        return self.step(name, getattr(self, "_" + name))
 
     def _dump(self, name):
         """What the phase collected, minus images and server objects, as JSON next to the servers' logs."""
@@ -389,14 +375,7 @@ def run(request):
     omni = request.param
     serving.serving_python(omni)  # the stack, with this checkout installed
     started = time.monotonic()
-    # Logs and state directories of the last run per stack and session, kept for inspection under the cache root;
-    # another session's are left alone while its process lives (two checkouts may serve at once).
-    workdir = serving.SERVING / "runs" / f"{omni}-{os.getpid()}"
-    for old in (serving.SERVING / "runs").glob(f"{omni}*"):
-        pid = old.name.rpartition("-")[2]
-        if old == workdir or not pid.isdigit() or not fleet.alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    r = StackRun(omni, workdir)
+    r = StackRun(omni, serving.session_workdir(omni))
     try:
         yield r
     finally:

@@ -28,6 +28,10 @@ for ``omni-patches status``, stopped) runs once and its results are kept for the
   the first MoE forward (the start-up dummy run); the shim warns (server log and ``status``) and leaves the init
   stock, so the server serves as stock does: the same image, no EP beyond TP.
 
+* ``distill_*`` -- vllm-omni 0.32.0rc1, one worker each, stock and shim, ``--lora-backend distill`` (the default
+  PEFT backend picks Triton MoE experts; HunyuanImage3 ignores a distilled LoRA file): the same pixels, and
+  ``status --all-processes`` says why ``moe-lora-idle-detach`` has nothing to act on without vllm-ascend.
+
 Every case runs once per module (``MoeRun.case``); the figures are printed at the end of the module.
 """
 from __future__ import annotations
@@ -35,15 +39,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
-
-from omni_patches import fleet
 
 from support import serving
 
@@ -74,6 +74,8 @@ class Case:
     ulysses: int = 1
     ring: int = 1
     ep: bool = False
+    # --lora-backend distill (0.32.0rc1): see test_032_shim_equals_stock_and_says_why_idle_detach_has_nothing_to_do
+    distill: bool = False
     # One request per entry, the same prompt and seed each time. Guidance > 1: classifier-free guidance, two
     # forwards per step -- what a CFG-parallel server splits over its CFG ranks.
     guidance: tuple = (GUIDANCE,)
@@ -91,7 +93,11 @@ CASES = {
     "tp2_sp2_ep_shim": Case(shim=True, tp=2, ulysses=2, ep=True),
     "sp2_cfg2_ep_stock": Case(shim=False, ulysses=2, cfg=2, ep=True),
     "sp2_cfg2_ep_shim": Case(shim=True, ulysses=2, cfg=2, ep=True),
+    # vllm-omni 0.32.0rc1 (run32): one worker each, --lora-backend distill
+    "distill_stock": Case(shim=False, distill=True),
+    "distill_shim": Case(shim=True, distill=True),
 }
+OMNI_032 = "0.32.0rc1"
 
 
 def rss_bytes(pids) -> dict[int, int]:
@@ -115,28 +121,17 @@ def pixel_std(omni: str, png: bytes) -> float:
     return float(np.asarray(arr, dtype=np.float64).std())
 
 
-class MoeRun:
+class MoeRun(serving.Steps):
     """The servers of the module's run on ``omni``; each case runs once, its results (or error) kept."""
 
     def __init__(self, omni: str, workdir: Path):
+        super().__init__()
         self.omni, self.workdir = omni, workdir
         self.model = serving.tiny_hy3_model(omni)
-        self.results, self.errors, self.timings = {}, {}, {}
         self.servers: list[serving.Server] = []
 
     def case(self, name: str) -> dict:
-        if name not in self.results and name not in self.errors:
-            t0 = time.monotonic()
-            try:
-                self.results[name] = self._run(name, CASES[name])
-            except Exception as exc:  # reported by every test of the case
-                self.errors[name] = exc
-            else:
-                self._dump(name)
-            self.timings[name] = round(time.monotonic() - t0, 1)
-        if name in self.errors:
-            raise self.errors[name]
-        return self.results[name]
+        return self.step(name, lambda: self._run(name, CASES[name]))
 
     def _dump(self, name: str) -> None:
         plain = {k: v for k, v in self.results[name].items() if not isinstance(v, (bytes, serving.Server, list))
@@ -146,9 +141,14 @@ class MoeRun:
     def serve(self, name: str, case: Case) -> serving.Server:
         """A server (not started) for ``case``: its deploy YAML, and the platform's switches for several ranks / EP
         (``serving.hy3_server``)."""
+        # HunyuanImage3 has no load_lora_weights: with the distill backend vllm-omni warns ("does not support
+        # loading distilled LoRA weights") and never opens the file; the flag keeps the PEFT manager out, which on a
+        # LoRA config picks Triton MoE experts (no Triton on CPU). Any existing file names it.
+        args = ("--lora-backend", "distill", "--lora-path", str(Path(self.model["model"]) / "config.json")) \
+            if case.distill else ()
         s = serving.hy3_server(self.omni, self.model["model"], shim=case.shim, name=f"{self.omni}-{name}",
                                workdir=self.workdir / name, tp=case.tp, cfg=case.cfg, ulysses=case.ulysses,
-                               ring=case.ring, ep=case.ep)
+                               ring=case.ring, ep=case.ep, args=args)
         self.servers.append(s)
         return s
 
@@ -187,28 +187,29 @@ class MoeRun:
             s.stop(grace=5)
 
 
-@pytest.fixture(scope="module")
-def run():
-    serving.serving_python(OMNI)  # the stack, with this checkout installed
+def _moe_run(omni: str):
+    serving.serving_python(omni)  # the stack, with this checkout installed
     started = time.monotonic()
-    # Logs and state of the last run per session, kept for inspection under the cache root; another session's are
-    # left alone while its process lives.
-    workdir = serving.SERVING / "runs" / f"moe-{OMNI}-{os.getpid()}"
-    for old in (serving.SERVING / "runs").glob(f"moe-{OMNI}-*"):
-        pid = old.name.rpartition("-")[2]
-        if old == workdir or not pid.isdigit() or not fleet.alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    workdir.mkdir(parents=True, exist_ok=True)
-    r = MoeRun(OMNI, workdir)
+    r = MoeRun(omni, serving.session_workdir(f"moe-{omni}"))
     try:
         yield r
     finally:
         r.stop_all()
-        print(f"\nserving tier (MoE), vllm-omni {OMNI}: {time.monotonic() - started:.0f}s (cases {r.timings})")
+        print(f"\nserving tier (MoE), vllm-omni {omni}: {time.monotonic() - started:.0f}s (cases {r.timings})")
         for name, res in r.results.items():
             print(f"  {name}: healthy {res.get('healthy_s')} s, s/image {res.get('image_s')}, "
                   f"RSS {res.get('rss_total_bytes', 0) / 2**30:.2f} GiB over {len(res.get('rss', {}))} processes, "
                   f"pixel std {res.get('pixel_std')}")
+
+
+@pytest.fixture(scope="module")
+def run():
+    yield from _moe_run(OMNI)
+
+
+@pytest.fixture(scope="module")
+def run32():
+    yield from _moe_run(OMNI_032)
 
 
 def patch_states(record: dict) -> dict:
@@ -268,13 +269,16 @@ def layout_facts(r: dict) -> list[dict]:
     return sorted(facts, key=lambda f: f["rank"])
 
 
+def describe(r: dict, facts: list[dict]) -> str:
+    return (f"healthy {r['healthy_s']} s, s/image {r['image_s']}, RSS {r['rss_total_bytes'] / 2**30:.2f} GiB; "
+            + "; ".join(f"rank {f['rank']} experts {f['experts']}" for f in facts))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_shim_builds_ep_over_every_rank_each_expert_once(run, layout):
     r = run.case(f"{layout}_ep_shim")
     facts = layout_facts(r)
-    print(f"\n{layout} shim: healthy {r['healthy_s']} s, s/image {r['image_s']}, "
-          f"RSS {r['rss_total_bytes'] / 2**30:.2f} GiB; " + "; ".join(f"rank {f['rank']} experts {f['experts']}"
-                                                                  for f in facts))
+    print(f"\n{layout} shim: {describe(r, facts)}")
     assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout_lines"]
     for f in facts:
         assert (f["ep_rank"], f["ep_size"], f["ep_ranks"]) == (f["rank"], WORKERS, list(range(WORKERS))), f
@@ -290,9 +294,7 @@ def test_stock_builds_fused_moe_ep_over_tp_only(run, layout):
     experts and combine still give right numbers, see the image test); the seed's crash is on the NPU path."""
     r = run.case(f"{layout}_ep_stock")
     facts = layout_facts(r)
-    print(f"\n{layout} stock: healthy {r['healthy_s']} s, s/image {r['image_s']}, "
-          f"RSS {r['rss_total_bytes'] / 2**30:.2f} GiB; " + "; ".join(f"rank {f['rank']} experts {f['experts']}"
-                                                                  for f in facts))
+    print(f"\n{layout} stock: {describe(r, facts)}")
     assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout_lines"]
     assert {f["ep_size"] for f in facts} == {WORKERS}  # omni's EP group: all 4 ranks
     held = collections.Counter(e for f in facts for e in f["experts"])
@@ -362,3 +364,23 @@ def test_sp_with_cfg_shim_warns_and_serves_as_stock(run):
     [same] = serving.image_stats(run.omni, stock["pngs"][0], shim["pngs"][0])
     print(f"\nSP2·CFG2 shim vs stock: {same}; healthy stock {stock['healthy_s']} s, shim {shim['healthy_s']} s")
     assert same["differing"] == 0, same
+
+
+# -- vllm-omni 0.32.0rc1: the same model, one worker, --lora-backend distill ---------------------------------------
+def test_032_shim_equals_stock_and_says_why_idle_detach_has_nothing_to_do(run32):
+    """On 0.32.0rc1 (the EP patch is out of range there) the shim's image is stock's, pixel for pixel, and
+    ``status --all-processes`` says why ``moe-lora-idle-detach`` -- wrapped into vllm-omni's LoRA manager -- has
+    nothing to act on here: only vllm-ascend's MoE runners take a MoE-LoRA context, and none is installed."""
+    stock, shim = run32.case("distill_stock"), run32.case("distill_shim")
+    [same] = serving.image_stats(run32.omni, stock["pngs"][0], shim["pngs"][0])
+    print(f"\n0.32.0rc1 shim vs stock: {same}; healthy stock {stock['healthy_s']} s, shim {shim['healthy_s']} s, "
+          f"pixel std {shim['pixel_std']}\n{shim['status_text']}")
+    assert same["differing"] == 0, same
+    assert shim["pixel_std"] >= MIN_PIXEL_STD
+    idle = [rec["patches"]["moe-lora-idle-detach"] for rec in shim["records"]
+            if "moe-lora-idle-detach" in rec["patches"]]
+    assert idle and all(p["state"] == "applied" for p in idle), idle
+    assert all(any("nothing to act on" in n and "no vllm-ascend is installed" in n for n in p["notes"])
+               for p in idle), idle
+    assert "moe-lora-idle-detach in " in shim["status_text"] and "nothing to act on" in shim["status_text"]
+    assert patch_states(shim["records"][0]).get(PATCH) == "skipped:version"  # EP patch: fixed upstream there

@@ -198,16 +198,58 @@ def hy3_deploy_yaml(path, **parallel) -> Path:
     return module.deploy_yaml(path, **parallel)
 
 
+class Steps:
+    """Named steps of a serving run (a phase, a case), each run once: its result, or the exception it raised, is
+    kept for every test that asks (``results`` / ``errors``), with its seconds (``timings``); ``_dump(name)`` is
+    called after each step that succeeded."""
+
+    def __init__(self):
+        self.results, self.errors, self.timings = {}, {}, {}
+
+    def step(self, name: str, run):
+        if name not in self.results and name not in self.errors:
+            t0 = time.monotonic()
+            try:
+                self.results[name] = run()
+            except Exception as exc:  # reported by every test of the step
+                self.errors[name] = exc
+            else:
+                self._dump(name)
+            self.timings[name] = round(time.monotonic() - t0, 1)
+        if name in self.errors:
+            raise self.errors[name]
+        return self.results[name]
+
+    def _dump(self, name: str) -> None:
+        pass
+
+
+def session_workdir(name: str) -> Path:
+    """``SERVING/runs/<name>-<pid>``, made empty: logs and state of this session's last run, kept for inspection
+    under the cache root. Other sessions' directories of ``name`` are removed once their process is gone (two
+    checkouts may serve at once)."""
+    from omni_patches import fleet
+
+    workdir = SERVING / "runs" / f"{name}-{os.getpid()}"
+    for old in (SERVING / "runs").glob(f"{name}-*"):
+        pid = old.name.rpartition("-")[2]
+        if old == workdir or not pid.isdigit() or not fleet.alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
 #: The stack the tiny HunyuanImage3 is served on (its MoE on vLLM's FusedMoE; ``moe-ep-parallel-mapping``'s range).
 HY3_STACK = "0.22.0"
 
 
 def hy3_server(omni: str, model: str, *, shim: bool, name: str, workdir, tp: int = 1, cfg: int = 1,
-               ulysses: int = 1, ring: int = 1, ep: bool = False) -> "Server":
+               ulysses: int = 1, ring: int = 1, ep: bool = False, args: tuple = ()) -> "Server":
     """A server (not started) of the tiny HunyuanImage3 (``tiny_hy3_model(omni)["model"]``) with its deploy YAML
     under ``workdir``; for several ranks the CPU platform answers that many "devices", and with EP the CPU MoE
     stand-ins are installed in every process (``serving_cpu_platform``'s TEST SUPPORT switches). Dynamo is off:
-    its tracing of the model's small functions costs start-up time and memory on CPU and gives nothing here."""
+    its tracing of the model's small functions costs start-up time and memory on CPU and gives nothing here.
+    ``args``: more ``vllm serve`` arguments (0.32.0rc1 serves it with ``--lora-backend distill``)."""
     workdir = Path(workdir)
     deploy = hy3_deploy_yaml(workdir / "deploy.yaml", tp=tp, cfg=cfg, ulysses=ulysses, ring=ring, ep=ep)
     env = {"TORCHDYNAMO_DISABLE": "1"}
@@ -216,7 +258,7 @@ def hy3_server(omni: str, model: str, *, shim: bool, name: str, workdir, tp: int
         env["OMNI_SERVING_TEST_DEVICE_COUNT"] = str(world)
     if ep:
         env["OMNI_SERVING_TEST_MOE_STANDINS"] = "1"
-    return Server(omni, model, shim=shim, name=name, args=["--deploy-config", str(deploy)], env=env,
+    return Server(omni, model, shim=shim, name=name, args=["--deploy-config", str(deploy), *args], env=env,
                   workdir=workdir)
 
 
