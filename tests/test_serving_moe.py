@@ -384,3 +384,24 @@ def test_032_shim_equals_stock_and_says_why_idle_detach_has_nothing_to_do(run32)
                for p in idle), idle
     assert "moe-lora-idle-detach in " in shim["status_text"] and "nothing to act on" in shim["status_text"]
     assert patch_states(shim["records"][0]).get(PATCH) == "skipped:version"  # EP patch: fixed upstream there
+
+
+# -- the seed's job in one command: examples/run_default.py --moe ---------------------------------------------------
+def test_run_default_moe_serves_tp2_cfg2_with_ep_and_shows_each_ranks_place(run, tmp_path):
+    """What the README offers as the seed's job: ``examples/run_default.py --moe`` (its server is
+    ``serving.hy3_server``, TP2·CFG2 with EP) writes an image with contrast and prints ``status --all-processes``
+    with 4 of 4 worker ranks and each rank's EP place."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "moe.png"
+    proc = subprocess.run([sys.executable, str(root / "examples" / "run_default.py"), "--moe", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1200, env=serving._clean_child_env())
+    text = proc.stdout + proc.stderr
+    print("\n" + proc.stdout[-2500:])
+    assert proc.returncode == 0, text[-5000:]
+    assert pixel_std(run.omni, out.read_bytes()) >= MIN_PIXEL_STD
+    assert re.search(rf"instance \S+: {WORKERS} of {WORKERS} worker rank\(s\) recorded", text), text[-3000:]
+    for rank in range(WORKERS):
+        assert f"(rank {rank}): mapped: vLLM EP rank {rank} of {WORKERS} over ranks [0, 1, 2, 3]" in text
