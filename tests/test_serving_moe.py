@@ -46,6 +46,7 @@ from pathlib import Path
 import pytest
 
 from support import serving
+from support.cpu_moe_standins import LAYOUT_TAG
 
 # Its own xdist group, started with the heavy one: the heavy group is the suite's long pole (~20 min on one worker)
 # while the other workers run out of work early, so these servers use that idle CPU instead of lengthening it.
@@ -62,7 +63,6 @@ PROMPT = "a red cat sits on the mat"
 # 1/255; this model's reference image has ~60-75.
 MIN_PIXEL_STD = 20.0
 HEALTHY_TIMEOUT_S = 900
-LAYOUT_TAG = "OMNI_TEST_MOE_LAYOUT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +79,6 @@ class Case:
     # One request per entry, the same prompt and seed each time. Guidance > 1: classifier-free guidance, two
     # forwards per step -- what a CFG-parallel server splits over its CFG ranks.
     guidance: tuple = (GUIDANCE,)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cfg * self.ulysses * self.ring
 
 
 CASES = {
