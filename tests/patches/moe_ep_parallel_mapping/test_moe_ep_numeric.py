@@ -232,7 +232,7 @@ def combine_warning(mocker):
 
         mocker.patch.object(versions, "installed", side_effect=installed)
         once, note = mocker.spy(log, "once"), mocker.Mock(name="run.note")
-        keep_stock = mod.warn_vllm_combine_order(mocker.Mock(note=note))
+        keep_stock = mod.combine_order_keeps_stock(mocker.Mock(note=note))
         calls = ([c for c in once.call_args_list if c.args[1] == (mod.PATCH_ID, "vllm-combine-order")],
                  note.call_args_list, keep_stock)
         mocker.stopall()
@@ -261,6 +261,6 @@ def test_combine_order_warning_never_raises(mocker):
     mocker.patch.object(versions, "installed", side_effect=RuntimeError("metadata broken"))
     # Which MoE path runs is unknown: stock's groups, which run on both; the note still says why.
     note = mocker.Mock(name="run.note")
-    assert mod.warn_vllm_combine_order(mocker.Mock(note=note)) is True
+    assert mod.combine_order_keeps_stock(mocker.Mock(note=note)) is True
     assert COMBINE_NOTE in note.call_args.args[0] and "Not mapped" in note.call_args.args[0]
-    assert mod.warn_vllm_combine_order(mocker.Mock(note=mocker.Mock(side_effect=RuntimeError("x")))) is True
+    assert mod.combine_order_keeps_stock(mocker.Mock(note=mocker.Mock(side_effect=RuntimeError("x")))) is True
