@@ -289,9 +289,17 @@ def test_tagless_ascend_checkout_that_drifted_is_still_drifted(tmp_path, capsys)
 @pytest.mark.parametrize("version,verdict", [("0.22.0", NOT_AFFECTED), ("0.31.0rc1", NOT_AFFECTED),
                                              ("0.32.0rc1", APPLY)])
 def test_tagless_omni_checkout_older_than_moe_lora(tmp_path, capsys, version, verdict):
+    """A tagless omni checkout is decided by its code; beside it the real vllm-ascend 0.23.0 sdist, which the patch
+    also requires (alone, the checkout's verdict is "absent")."""
     co = wheels.tagless(tmp_path, "vllm-omni", version, "vllm_omni")
-    rc, got, _, _ = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
+    try:
+        ascend = wheels.download("vllm-ascend", "0.23.0", sdist=True, extra_env=dict(audit.SDIST_ENV))
+    except RuntimeError as exc:  # pragma: no cover - network dependent
+        skip_or_fail(f"cannot fetch vllm-ascend==0.23.0: {exc}")
+    rc, got, _, _ = _audit(capsys, "--source", co, "--wheel", ascend, "--cache", tmp_path / "cache")
     assert got["moe-lora-idle-detach"]["verdict"] == verdict, got["moe-lora-idle-detach"]
+    rc, alone, _, _ = _audit(capsys, "--source", co, "--cache", tmp_path / "cache")
+    assert alone["moe-lora-idle-detach"]["verdict"] == audit.ABSENT, alone["moe-lora-idle-detach"]
 
 
 PREDATES = '''

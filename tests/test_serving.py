@@ -518,7 +518,7 @@ def expected_states(omni):
         "lora-accel-delta": "applied" if omni in PATCHES_AFFECTED_LOADER else "skipped:version",
         "lora-cpu-fused-delta": "skipped:disabled",
         "moe-ep-parallel-mapping": "skipped:version",
-        "moe-lora-idle-detach": "skipped:version" if omni != "0.32.0rc1" else None,
+        "moe-lora-idle-detach": "skipped:version" if omni != "0.32.0rc1" else "skipped:absent",
         "ascend-moe-skip-idle-lora": "skipped:absent",
         "ascend-allgather-finalize-order": "skipped:absent",
         "ascend-execute-model-timeout": "skipped:absent",

@@ -30,7 +30,7 @@ for ``omni-patches status``, stopped) runs once and its results are kept for the
 
 * ``distill_*`` -- vllm-omni 0.32.0rc1, one worker each, stock and shim, ``--lora-backend distill`` (the default
   PEFT backend picks Triton MoE experts; HunyuanImage3 ignores a distilled LoRA file): the same pixels, and
-  ``status --all-processes`` says why ``moe-lora-idle-detach`` has nothing to act on without vllm-ascend.
+  ``status --all-processes`` says why ``moe-lora-idle-detach`` has nothing to act on: skipped:absent, no vllm-ascend.
 
 Every case runs once per module (``MoeRun.case``); the figures are printed at the end of the module.
 """
@@ -165,7 +165,10 @@ class MoeRun(serving.Steps):
             out["rss"] = {str(pid): {"bytes": n, "cmd": " ".join(procs.get(pid, []))[:120]} for pid, n in rss.items()}
             out["rss_total_bytes"] = sum(rss.values())
             out["records"] = s.records()
-            status = s.cli("status", "--all-processes", "--state-dir", str(s.state_dir))
+            # --all-patches on the distill cases: a patch skipped in every process (there: moe-lora-idle-detach,
+            # skipped:absent) is only listed with it.
+            status = s.cli("status", "--all-processes", *(("--all-patches",) if case.distill else ()),
+                           "--state-dir", str(s.state_dir))
             out["status_text"] = status.stdout + status.stderr
         finally:
             out["stopped"] = s.stop(grace=30)
@@ -365,8 +368,8 @@ def test_sp_with_cfg_shim_warns_and_serves_as_stock(run):
 # -- vllm-omni 0.32.0rc1: the same model, one worker, --lora-backend distill ---------------------------------------
 def test_032_shim_equals_stock_and_says_why_idle_detach_has_nothing_to_do(run32):
     """On 0.32.0rc1 (the EP patch is out of range there) the shim's image is stock's, pixel for pixel, and
-    ``status --all-processes`` says why ``moe-lora-idle-detach`` -- wrapped into vllm-omni's LoRA manager -- has
-    nothing to act on here: only vllm-ascend's MoE runners take a MoE-LoRA context, and none is installed."""
+    ``status --all-processes`` says why ``moe-lora-idle-detach`` has nothing to act on here: it requires vllm-ascend
+    (only its MoE runners take a MoE-LoRA context), none is installed, so it is skipped:absent, not applied."""
     stock, shim = run32.case("distill_stock"), run32.case("distill_shim")
     [same] = serving.image_stats(run32.omni, stock["pngs"][0], shim["pngs"][0])
     print(f"\n0.32.0rc1 shim vs stock: {same}; healthy stock {stock['healthy_s']} s, shim {shim['healthy_s']} s, "
@@ -375,10 +378,15 @@ def test_032_shim_equals_stock_and_says_why_idle_detach_has_nothing_to_do(run32)
     assert shim["pixel_std"] >= MIN_PIXEL_STD
     idle = [rec["patches"]["moe-lora-idle-detach"] for rec in shim["records"]
             if "moe-lora-idle-detach" in rec["patches"]]
-    assert idle and all(p["state"] == "applied" for p in idle), idle
-    assert all(any("nothing to act on" in n and "no vllm-ascend is installed" in n for n in p["notes"])
-               for p in idle), idle
-    assert "moe-lora-idle-detach in " in shim["status_text"] and "nothing to act on" in shim["status_text"]
+    assert idle and all(p["state"] == "skipped:absent" and "vllm-ascend is not installed" in p["reason"]
+                        for p in idle), idle
+    # The table (with --all-patches) reads skipped:absent in its column on every row; the reason is the records'
+    # (status --json) above.
+    lines = shim["status_text"].splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("pid "))
+    col = lines[header].split().index("moe-lora-idle-detach")
+    rows = [ln.split() for ln in lines[header + 2:] if ln.split()[:1] and ln.split()[0].isdigit()]
+    assert rows and all(r[col] == "skipped:absent" for r in rows), shim["status_text"]
     assert patch_states(shim["records"][0]).get(PATCH) == "skipped:version"  # EP patch: fixed upstream there
 
 

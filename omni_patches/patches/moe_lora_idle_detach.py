@@ -8,16 +8,16 @@ Why:         vllm-omni 0.32.0rc1's DiffusionLoRAManager leaves the MoE-LoRA cont
 Upstream:    https://github.com/vllm-project/vllm-omni (no fix published; report against
              vllm_omni/diffusion/lora/manager.py) and https://github.com/vllm-project/vllm-ascend/pull/10977
              (the Ascend MoE-LoRA path that runs whenever a context is present)
-Affected:    vllm-omni >=0.32.0rc1 (the first manager with MoE LoRA); gated on features as well: the manager
-             must have _publish_moe_lora_context and no detach logic of its own (else skipped as fixed upstream)
+Affected:    vllm-omni >=0.32.0rc1; vllm-ascend >=0.23.0rc1 (the first manager with MoE LoRA, on the only runners
+             that take a MoE-LoRA context: without vllm-ascend there is nothing to act on, skipped:absent); gated
+             on features as well: the manager must have _publish_moe_lora_context and no detach logic of its own
 How:         wrapt wrappers on the manager's lifecycle methods (__init__, set_active_adapter, add_adapter,
              remove_adapter, close and the internals they call). When the outermost of them returns (or
              raises), one sync restores the post-condition: no adapter active (or closed) ->
              set_lora_context(None) on every MoE runner that has a callable set_lora_context; an adapter
              active after a detach -> set_mapping(punica) on those wrappers again. Runners without
-             set_lora_context (GPU) are never touched; nothing runs per forward. Where nothing can be acted on,
-             ``status`` says why (no vllm-ascend installed; a manager whose MoE-LoRA layers all run on
-             runners without set_lora_context). Details: docs/patches.md.
+             set_lora_context (GPU) are never touched; nothing runs per forward. ``status`` notes what the runners
+             let it do (or why a manager's MoE-LoRA layers give it nothing to act on). Details: docs/patches.md.
 Remove when: vllm-omni detaches the MoE-LoRA context itself while no adapter is active (or vllm-ascend skips the
              LoRA work per forward on every supported release) and 0.32.0rc1 is no longer supported
 """
@@ -40,9 +40,6 @@ _STATE = "_omni_patches_moe_idle"  # per-manager [depth, detached, {id: wrapper 
 _LOG = logging.getLogger("omni_patches")
 PATCH_ID = "moe-lora-idle-detach"
 # status note (key "runners"): what this process's MoE runners let the patch do.
-NO_ASCEND = ("nothing to act on in this process so far: no vllm-ascend is installed, and only its MoE runners take "
-             "a MoE-LoRA context (set_lora_context); vLLM's own MoE runner has none, so an idle context costs "
-             "nothing here")
 NO_CONTEXT_RUNNER = ("nothing to act on: this manager's {n} MoE-LoRA layer(s) run on MoE runners without "
                      "set_lora_context (vLLM's; only vllm-ascend's take a MoE-LoRA context)")
 ACTS_ON = "acts on {n} MoE runner(s) that take a MoE-LoRA context"
@@ -88,8 +85,6 @@ def apply(ctx):
     ctx.on_undo(functools.partial(_republish_all, detached))
     for name in LIFECYCLE:
         ctx.wrap("DiffusionLoRAManager", name, functools.partial(_lifecycle, run))
-    if ctx.version("vllm-ascend") is None:
-        ctx.note(NO_ASCEND, key="runners")
 
 
 def _moe_wrappers(mgr, counted=None):

@@ -34,6 +34,9 @@ CASE = Case(
     skipped=[
         # No MoE LoRA in the manager before 0.32.0rc1: the version gate says so before anything is imported.
         (Env("omni-0.31.0rc1", lambda: [str(omni_manager_dir("0.31.0rc1"))]), "skipped:version", "outside"),
+        # The real 0.32.0rc1 manager without vllm-ascend (GPU, or this CPU): no runner takes a MoE-LoRA context.
+        (Env("omni-0.32.0rc1-no-ascend", lambda: [str(omni_manager_dir("0.32.0rc1", ascend=None))]),
+         "skipped:absent", "vllm-ascend is not installed"),
         # A manager that learned to detach by itself: found by feature, not by version.
         (Env.edited("omni-0.32.0rc1-own-detach", OMNI_032, MANAGER,
                     "    def _publish_moe_lora_context(self) -> None:",
@@ -58,9 +61,11 @@ CASE = Case(
 
 
 # What `omni-patches audit <release>` says on the real release files, in and just outside the range (tests/test_audit.py
-# audits every release named here; the words are omni_patches.tools.audit's).
+# audits every release named here, alone; the words are omni_patches.tools.audit's). In range, the omni release alone
+# lacks vllm-ascend: "absent"; with a real vllm-ascend beside it, "would apply" (test_audit.py's
+# test_real_ascend_sdist_0_23_with_omni_0_32).
 VERDICTS = {
     "vllm-omni==0.22.0": "skip: out of range", "vllm-omni==0.24.0": "skip: out of range",
     "vllm-omni==0.28.0": "skip: out of range", "vllm-omni==0.30.0": "skip: out of range",
-    "vllm-omni==0.32.0rc1": "would apply",
+    "vllm-omni==0.32.0rc1": "absent",
 }

@@ -6,7 +6,9 @@ gate reads it) and a package ``__init__`` that installs the same stand-ins on fi
 
 * :func:`omni_manager_dir` -- ``vllm_omni/diffusion/lora/**``, ``diffusion/offloader/config.py`` and
   ``lora/utils.py`` of a vllm-omni wheel; ``vllm_omni/__init__.py`` puts ``omni_manager``'s vLLM stand-ins
-  into ``sys.modules``.
+  into ``sys.modules``. The patch requires vllm-ascend (only its MoE runners take a MoE-LoRA context): the
+  directory also holds a vllm-ascend dist-info alone (STAND-IN: the runners the tests drive are
+  ``omni_manager``'s Ascend-like ones), unless ``ascend=None``.
 
 (The real vllm-ascend releases, with the real vLLM each was built for, live in :mod:`support.ascend_real`.)
 
@@ -39,8 +41,13 @@ for _name, _mod in _om._vllm_stub_modules("cuda").items():
 '''
 
 
-def omni_manager_dir(version: str = "0.32.0rc1", *, metadata_version: str | None = None) -> Path:
-    """Real ``vllm_omni.diffusion.lora.manager`` of ``version``; dist-info says ``metadata_version``."""
+ASCEND = "0.30.0rc2"  # the vllm-ascend the dist-info stand-in names (the newest release, built for vLLM 0.30.0)
+
+
+def omni_manager_dir(version: str = "0.32.0rc1", *, metadata_version: str | None = None,
+                     ascend: str | None = ASCEND) -> Path:
+    """Real ``vllm_omni.diffusion.lora.manager`` of ``version``; dist-info says ``metadata_version``; a
+    vllm-ascend ``ascend`` dist-info beside it (None: vllm-ascend not installed)."""
     meta = metadata_version or version
     src = wheels.fetch_or_skip("vllm-omni", version)
 
@@ -56,8 +63,11 @@ def omni_manager_dir(version: str = "0.32.0rc1", *, metadata_version: str | None
             (dst / rel).write_text("")
         (dst / "vllm_omni/__init__.py").write_text(_OMNI_INIT)
         write_dist_info(dst, "vllm-omni", meta, "vllm_omni")
+        if ascend:
+            write_dist_info(dst, "vllm-ascend", ascend, "vllm_ascend")
 
-    return wheels.sandbox(f"omni-manager-{version}-as-{meta}", f"{version}|{meta}|{_OMNI_INIT}|{_OMNI_COPY}", fill)
+    return wheels.sandbox(f"omni-manager-{version}-as-{meta}-ascend-{ascend}",
+                          f"{version}|{meta}|{ascend}|{_OMNI_INIT}|{_OMNI_COPY}", fill)
 
 
 def run_python(code: str, *paths: str, env: dict | None = None, timeout: int = 300):
