@@ -96,25 +96,7 @@ CASES = {
 OMNI_032 = "0.32.0rc1"
 
 
-def rss_bytes(pids) -> dict[int, int]:
-    """``{pid: resident bytes}`` from /proc (VmRSS) of the processes still alive."""
-    out = {}
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    out[pid] = int(line.split()[1]) * 1024
-                    break
-        except OSError:
-            continue
-    return out
-
-
-def pixel_std(omni: str, png: bytes) -> float:
-    import numpy as np
-
-    [arr] = serving.decode_png(omni, png)
-    return float(np.asarray(arr, dtype=np.float64).std())
+rss_bytes, pixel_std = serving.rss_bytes, serving.pixel_std
 
 
 class MoeRun(serving.Steps):

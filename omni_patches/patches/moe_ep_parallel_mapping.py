@@ -192,6 +192,16 @@ def _remap(st, module, d):
          built["_DP"].world_size)
 
 
+def _note_torn_down(run):
+    """After ``destroy_model_parallel`` the "mapped:" note would describe groups that no longer exist."""
+    try:
+        last = run.notes.get("mapping", "")
+        if last.startswith("mapped: "):
+            run.note("torn down by destroy_model_parallel (last " + last[len("mapped: "):] + ")", key="mapping")
+    except Exception:  # a note must never break the teardown
+        pass
+
+
 def _note_layout(run, built):
     """This rank's place in the groups just built, for ``status`` (one note, replaced at each init)."""
     try:
@@ -341,6 +351,7 @@ def _make_destroy_wrapper(st):
                 _destroy(group, "vLLM " + attr)
                 if getattr(m.vps, attr, None) is group:
                     setattr(m.vps, attr, None)
+            _note_torn_down(st.run)
 
     return destroy_model_parallel
 

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from .stacks import install_project, stack_python
-from .wheels import CACHE, locked, sandbox
+from .wheels import CACHE, PYCACHE, locked, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
@@ -114,6 +114,11 @@ def _clean_child_env() -> dict:
            if not k.startswith("OMNI_PATCHES") and k not in ("PYTHONPATH", "VIRTUAL_ENV",
                                                               "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    # Bytecode as the test suite keeps it (tests/conftest.py): the stacks are installed without .pyc, and where
+    # PYTHONDONTWRITEBYTECODE is set every server start would compile vLLM again (one worker of the 0.22.0 stack:
+    # healthy in 44 s instead of 15 s). The demo and bench/serving_moe.py start their servers through here too.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.setdefault("PYTHONPYCACHEPREFIX", str(PYCACHE))
     return env
 
 
@@ -610,6 +615,27 @@ def stage_processes(server: Server) -> list[int]:
     procs = server.processes()
     return sorted(pid for pid, cmd in procs.items()
                   if (_stat(pid) or (0,))[0] == server.proc.pid and not any("resource_tracker" in c for c in cmd))
+
+
+def rss_bytes(pids) -> dict[int, int]:
+    """``{pid: resident bytes}`` from /proc (VmRSS) of the processes still alive."""
+    out = {}
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    out[pid] = int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return out
+
+
+def pixel_std(omni: str, png: bytes) -> float:
+    import numpy as np
+
+    [arr] = decode_png(omni, png)
+    return float(np.asarray(arr, dtype=np.float64).std())
 
 
 def image_stats(omni: str, reference: bytes, *others: bytes) -> list[dict]:

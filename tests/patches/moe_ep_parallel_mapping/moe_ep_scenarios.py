@@ -415,9 +415,8 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
                 # within one (TP peers replicate, SP shards are padded alike).
                 block = d["tp"] * d["sp"] * d["pp"]
                 rec["forward"] = forward_checks(params["omni_version"], 3 + 2 * (rank // block), rank)
-        if phase.get("pretend_ascend"):
-            st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
-            rec["reason_after_init"] = None if st is None else st.reason
+        st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
+        rec["reason_after_init"] = None if st is None else st.reason
         built = {n: getattr(vps, n, None) for n in names}
         settle()
         ops.destroy_model_parallel()
@@ -426,6 +425,8 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
             rec["equiv"]["after_destroy"] = eq.after_destroy_facts()
         rec["built_alive_after_destroy"] = {n: _alive(g) for n, g in built.items()}
         rec["patch_ep_ranks_after_destroy"] = _patch_ranks()
+        st = {s.id: s for s in omni_patches.status()}.get(PATCH_ID)
+        rec["reason_after_destroy"] = None if st is None else st.reason
         if phase.get("reinit"):
             worker.init_device(init_dist=False)
             with worker.contexts():

@@ -206,6 +206,18 @@ def test_patch_applies_to_every_target(patched):
         assert r["worker_binding_layers"] == [PATCH_ID]  # the by-name binding is wrapped, once
 
 
+def test_status_notes_each_ranks_mapping_until_teardown(patched):
+    """While mapped, each rank's status notes its EP place; after destroy_model_parallel the note says the mapping
+    was torn down (naming the last one), so status never describes groups that no longer exist."""
+    _, results = patched
+    mapped = [p for r in results for p in r["phases"] if "mapped: vLLM EP rank" in (p.get("reason_after_init") or "")]
+    assert mapped, "no phase mapped"
+    for p in mapped:
+        after = p["reason_after_destroy"]
+        assert "torn down by destroy_model_parallel (last vLLM EP rank" in after, after
+        assert "mapped: vLLM EP rank" not in after, after
+
+
 def ep_problems(ranks, facts_key="first"):
     """Why vLLM's own EP view disagrees with the EP group, on any rank ([] = consistent)."""
     problems = []
