@@ -44,13 +44,31 @@ else:
 os.environ["OMNI_PATCHES_STATE_DIR"] = SESSION_STATE_DIR
 STATE_GUARD = StateGuard(DEFAULT_STATE_DIR, SESSION_STATE_DIR).start()
 
+# Where upstream code (and the audit) writes by default outside the cache root (vllm-ascend's file log, vllm-omni's
+# speaker samples, vLLM's cache, the audit's cache): the suite's processes are pointed elsewhere (XDG_CACHE_HOME
+# below, support.ascend_real.CHILD_HOME, support.serving). One that did not exist when the session started must not
+# exist at its end (checked by the controller, at the very end; a user's own first vLLM run meanwhile would be
+# blamed too, and the message says so).
+HOME_DEFAULTS = [Path.home() / "ascend", *(Path.home() / ".cache" / d for d in ("vllm-omni", "vllm", "omni-patches"))]
+ABSENT_AT_START = [p for p in HOME_DEFAULTS if not p.exists()]
+
+
+def home_leaks() -> list:
+    """The upstream default directories the session created (absent at its start, present now)."""
+    return [str(p) for p in ABSENT_AT_START if p.exists()]
+
+
 # Bytecode of every interpreter the suite starts (contract children, worlds, stack servers) goes to one directory
 # under the cache root and is reused: with PYTHONDONTWRITEBYTECODE (set on some machines) each child compiled vLLM,
 # transformers and torch's Python again, about half of a contract case's CPU time. Stale entries: wheels.clean_once.
-from support.wheels import PYCACHE, clean_once  # noqa: E402
+from support.wheels import CACHE, PYCACHE, clean_once  # noqa: E402
 
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+# Default caches (XDG: omni-patches audit's, vLLM's, Hugging Face's, pip's) of every process of the session go under
+# the cache root too, not the user's ~/.cache: a test that audits without --cache downloaded into
+# ~/.cache/omni-patches/audit.
+os.environ["XDG_CACHE_HOME"] = str(CACHE / "xdg-cache")
 
 # Loopback only, in every process of the session: gloo binds its pairs to the interface the host name resolves
 # to unless told otherwise, and rendezvous goes to MASTER_ADDR.
@@ -167,6 +185,14 @@ def pytest_sessionfinish(session, exitstatus):
             if reporter is not None:
                 reporter.write_line(f"FAILED state isolation: processes of the test suite wrote into "
                                     f"{DEFAULT_STATE_DIR}: {leaked}", red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        created = home_leaks()
+        if created:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"FAILED home isolation: created during the session (upstream defaults the "
+                                    f"suite's children must not use; or another program of this user): {created}",
+                                    red=True)
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     STATE_GUARD.stop()
     basetemp = getattr(session.config, "_omni_basetemp", None)

