@@ -195,6 +195,8 @@ def cmd_all_processes(args):
         if r.get("inactive") and "error" not in r:
             print(f"pid {r.get('pid')} ({r.get('role')}): omni-patches is {r['inactive']}")
     _print_notes(shown, ids)
+    if getattr(args, "all_patches", False):
+        _print_skip_reasons(shown, ids)
     for inst, info in instances.items():
         if info.get("expected_workers") is not None:
             layout = " × ".join(f"{k.upper()} {info[k + '_size']}" for k in ("tp", "pp", "dp")
@@ -239,6 +241,23 @@ def _print_notes(shown, ids):
             print(f"  {pid} in {', '.join(who)}: {text}")
 
 
+def _print_skip_reasons(shown, ids):
+    """``--all-patches``: why each patch skipped in every live process listed is skipped -- the reason once when
+    every process gives the same one."""
+    live = [r for r in shown if "error" not in r and r.get("status") != "gone" and not r.get("inactive")]
+    lines = []
+    for pid in ids:
+        entries = [r.get("patches", {}).get(pid) for r in live]
+        if not entries or any(e is None or not is_skipped(e.get("state", State.DISABLED)) for e in entries):
+            continue
+        why = {(e.get("state"), e.get("reason") or "") for e in entries}
+        lines.append(f"  {pid}: {' — '.join(filter(None, next(iter(why))))}" if len(why) == 1 else
+                     f"  {pid}: skipped for {len(why)} different reasons across the processes (--json lists them)")
+    if lines:
+        print("skipped in every process, and why:")
+        print("\n".join(lines))
+
+
 class _ImpliesAllProcesses(argparse.Action):
     """``--ray``, ``--all`` and ``--prune`` are about every process: they imply ``--all-processes``."""
 
@@ -266,7 +285,8 @@ def _add_all_processes_arguments(p):
                         "or removed")
     p.add_argument("--all-patches", nargs=0, action=_ImpliesAllProcesses, default=False,
                    help="with --all-processes: a column for every patch (default: only the patches that are not "
-                        "skipped in every process listed; --json always holds all)")
+                        "skipped in every process listed; --json always holds all), and under the table why each "
+                        "patch skipped in every process is skipped")
 
 
 def cmd_status(args):

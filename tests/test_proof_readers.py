@@ -495,3 +495,25 @@ def test_the_view_lists_call_time_notes_per_process(tmp_path, capsys):
     assert shared.startswith("  p in ") and sorted(shared[len("  p in "):].split(": ")[0].split(", ")) == \
         sorted([f"{me} (rank 0)", f"{parent} (rank 1)"]), shared
     assert "a skipped patch's note" not in out
+
+
+def test_all_patches_says_why_each_patch_skipped_everywhere_is_skipped(tmp_path, capsys):
+    """``--all-patches``: under the table, each patch skipped in every live process with its reason (once when all
+    give the same; a count when they differ); patches applied somewhere are not listed there."""
+    me, parent = os.getpid(), os.getppid()
+    for pid, rank in ((me, 0), (parent, 1)):
+        patches = {"a": {"state": "applied", "reason": "wrapped"},
+                   "s": {"state": "skipped:absent", "reason": "vllm-ascend is not installed"},
+                   "d": {"state": "skipped:version", "reason": f"outside its range on rank {rank}"},
+                   "m": {"state": "skipped:version" if rank else "applied", "reason": "mixed"}}
+        (tmp_path / f"{pid}.json").write_text(json.dumps({
+            "pid": pid, "instance": "K", "start": proof.start_time(pid), "updated": time.time(), "rank": rank,
+            "role": f"rank {rank}", "patches": patches}))
+    rc, out, _ = _status(capsys, "--all-processes", "--all-patches", "--state-dir", str(tmp_path))
+    assert rc == 0, out
+    why = out.split("skipped in every process, and why:\n", 1)[1].splitlines()
+    assert "  s: skipped:absent — vllm-ascend is not installed" in why, out
+    assert "  d: skipped for 2 different reasons across the processes (--json lists them)" in why, out
+    assert not any(line.startswith(("  a:", "  m:")) for line in why), out
+    rc, out, _ = _status(capsys, "--all-processes", "--state-dir", str(tmp_path))
+    assert "and why:" not in out  # without --all-patches the skipped columns and their reasons stay out

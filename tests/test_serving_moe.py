@@ -362,13 +362,13 @@ def test_032_shim_equals_stock_and_says_why_idle_detach_has_nothing_to_do(run32)
             if "moe-lora-idle-detach" in rec["patches"]]
     assert idle and all(p["state"] == "skipped:absent" and "vllm-ascend is not installed" in p["reason"]
                         for p in idle), idle
-    # The table (with --all-patches) reads skipped:absent in its column on every row; the reason is the records'
-    # (status --json) above.
+    # The table (with --all-patches) reads skipped:absent in its column on every row, and the reason under it.
     lines = shim["status_text"].splitlines()
     header = next(i for i, ln in enumerate(lines) if ln.startswith("pid "))
     col = lines[header].split().index("moe-lora-idle-detach")
     rows = [ln.split() for ln in lines[header + 2:] if ln.split()[:1] and ln.split()[0].isdigit()]
     assert rows and all(r[col] == "skipped:absent" for r in rows), shim["status_text"]
+    assert "  moe-lora-idle-detach: skipped:absent — vllm-ascend is not installed" in lines, shim["status_text"]
     assert patch_states(shim["records"][0]).get(PATCH) == "skipped:version"  # EP patch: fixed upstream there
 
 
