@@ -251,8 +251,11 @@ def _print_skip_reasons(shown, ids):
         if not entries or any(e is None or not is_skipped(e.get("state", State.DISABLED)) for e in entries):
             continue
         why = {(e.get("state"), e.get("reason") or "") for e in entries}
-        lines.append(f"  {pid}: {' — '.join(filter(None, next(iter(why))))}" if len(why) == 1 else
-                     f"  {pid}: skipped for {len(why)} different reasons across the processes (--json lists them)")
+        if len(why) > 1:
+            lines.append(f"  {pid}: skipped for {len(why)} different reasons across the processes (--json lists them)")
+            continue
+        [(state, reason)] = why
+        lines.append(f"  {pid}: {state} — {reason}" if reason else f"  {pid}: {state}")
     if lines:
         print("skipped in every process, and why:")
         print("\n".join(lines))
