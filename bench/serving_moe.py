@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 from support import serving  # noqa: E402
-from support.cpu_moe_standins import LAYOUT_TAG  # noqa: E402
+from support import cpu_moe_standins as moe_standins  # noqa: E402
 
 PROMPT, SIZE, STEPS, SEED, GUIDANCE = "a red cat sits on the mat", "64x64", 2, 7, 5.0
 LAYOUTS = {"tp2_cfg2": dict(tp=2, cfg=2), "tp2_sp2": dict(tp=2, ulysses=2), "sp2_cfg2": dict(ulysses=2, cfg=2)}
@@ -52,15 +52,11 @@ def serve(omni, model, workdir, name, *, shim, images, **layout):
     finally:
         s.stop(grace=30)
     log = s.log_text().splitlines()
-    facts = [json.loads(ln[ln.index(LAYOUT_TAG):].split(" ", 1)[1]) for ln in log if LAYOUT_TAG in ln]
+    facts = moe_standins.layout_facts("\n".join(log))
     # vLLM's FusedMoE logs "[EP Rank r/N]" per rank: N is the EP its experts are split over.
     out["fused_moe_ep"] = sorted({int(m.group(1)) for ln in log for m in [re.search(r"\[EP Rank \d+/(\d+)\]", ln)]
                                   if m}) or None
-    holders = {}
-    for f in facts:
-        for e in f["experts"]:
-            holders[e] = holders.get(e, 0) + 1
-    out["holders_per_expert"] = sorted(set(holders.values())) if holders else None
+    out["holders_per_expert"] = sorted(set(moe_standins.holders(facts).values())) or None
     out["pixel_std"] = round(serving.pixel_std(omni, out["png"]), 2)
     return out
 

@@ -59,12 +59,12 @@ def home_leaks() -> list:
 
 
 # Bytecode of every interpreter the suite starts (contract children, worlds, stack servers) goes to one directory
-# under the cache root and is reused: with PYTHONDONTWRITEBYTECODE (set on some machines) each child compiled vLLM,
-# transformers and torch's Python again, about half of a contract case's CPU time. Stale entries: wheels.clean_once.
-from support.wheels import CACHE, PYCACHE, clean_once  # noqa: E402
+# under the cache root and is reused (releases.keep_bytecode: about half of a contract case's CPU time where
+# PYTHONDONTWRITEBYTECODE is set). Stale entries: wheels.clean_once.
+from omni_patches.testing.releases import keep_bytecode  # noqa: E402
+from support.wheels import CACHE, clean_once  # noqa: E402
 
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+keep_bytecode(os.environ)
 # Default caches (XDG: omni-patches audit's, vLLM's, Hugging Face's, pip's) of every process of the session go under
 # the cache root too, not the user's ~/.cache: a test that audits without --cache downloaded into
 # ~/.cache/omni-patches/audit.

@@ -18,9 +18,10 @@ import pytest
 from omni_patches import cli
 from omni_patches.tools import audit
 from omni_patches.states import Cause
+from omni_patches.testing.releases import write_dist_info
 from support import wheels
 from support.ci import skip_or_fail
-from support.fakes import FAKE_LOADER, entry, fake_omni, write_dist_info, zip_dir as _zip_dir
+from support.fakes import FAKE_LOADER, entry, fake_omni, zip_dir as _zip_dir
 from support.venvs import without_switches
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,5 @@
 """Proof in production: per-process records, ``status --all-processes``, the INFO line and the gauge."""
+import contextlib
 import importlib.util
 import json
 import logging
@@ -12,6 +13,7 @@ import pytest
 
 import omni_patches
 from omni_patches import cli, fleet, proof
+from omni_patches.testing import standins
 from support import proof_child
 from support.fake_gcs import FakeCluster, ray_record
 from support.fakes import entry
@@ -219,40 +221,43 @@ class FakeKV:
 
 
 @pytest.fixture
-def fake_ray(monkeypatch, mocker):
+def fake_ray(mocker):
     """A connected Ray worker as far as proof can tell: modules in sys.modules, nothing imported for real."""
     import types
 
     ctx = mocker.Mock(**{"get_node_id.return_value": "n" * 56, "get_job_id.return_value": "01000000",
                          "get_actor_id.return_value": "a" * 32, "get_worker_id.return_value": "w" * 56})
-    ray = types.ModuleType("ray")
-    ray.get_runtime_context = mocker.Mock(return_value=ctx)
-    worker = types.ModuleType("ray._private.worker")
-    worker.WORKER_MODE, worker.SCRIPT_MODE = 1, 0
-    worker.global_worker = types.SimpleNamespace(connected=True, mode=1, node_ip_address="127.0.0.2")
     kv = FakeKV()
-    kv_module = types.ModuleType("ray.experimental.internal_kv")
-    for name in ("_internal_kv_initialized", "_internal_kv_put", "_internal_kv_del"):
-        setattr(kv_module, name, getattr(kv, name))
-    for name, mod in (("ray", ray), ("ray._private.worker", worker), ("ray.experimental.internal_kv", kv_module)):
-        monkeypatch.setitem(sys.modules, name, mod)
-    return types.SimpleNamespace(kv=kv, kv_module=kv_module, worker=worker, ctx=ctx)
+    global_worker = types.SimpleNamespace(connected=True, mode=1, node_ip_address="127.0.0.2")
+    with standins.modules({
+        "ray": {"get_runtime_context": mocker.Mock(return_value=ctx)},
+        "ray._private.worker": {"WORKER_MODE": 1, "SCRIPT_MODE": 0, "global_worker": global_worker},
+        "ray.experimental.internal_kv": {name: getattr(kv, name) for name in (
+            "_internal_kv_initialized", "_internal_kv_put", "_internal_kv_del")},
+    }, permissive=False) as made:
+        yield types.SimpleNamespace(kv=kv, kv_module=made["ray.experimental.internal_kv"],
+                                    worker=made["ray._private.worker"], ctx=ctx)
 
 
-def _fake_parallel_state(monkeypatch, rank, local_rank=0, world_size=2):
+@pytest.fixture
+def parallel_state():
+    """``parallel_state(rank=1)``: vLLM's parallel state as a worker rank holds it, in sys.modules until the end."""
     import types
 
-    ps = types.ModuleType("vllm.distributed.parallel_state")
-    ps._WORLD = types.SimpleNamespace(rank=rank, local_rank=local_rank, world_size=world_size)
-    ps._TP = types.SimpleNamespace(rank_in_group=rank)
-    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", ps)
+    with contextlib.ExitStack() as stack:
+        def install(rank, local_rank=0, world_size=2):
+            attrs = {"_WORLD": types.SimpleNamespace(rank=rank, local_rank=local_rank, world_size=world_size),
+                     "_TP": types.SimpleNamespace(rank_in_group=rank)}
+            stack.enter_context(standins.modules({"vllm.distributed.parallel_state": attrs}, permissive=False))
+
+        yield install
 
 
-def test_role_of_a_ray_worker_with_its_vllm_rank(fake_ray, monkeypatch):
+def test_role_of_a_ray_worker_with_its_vllm_rank(fake_ray, parallel_state):
     info = proof.ray_info()
     assert info["node_id"] == "n" * 56 and info["actor_id"] == "a" * 32 and info["node_ip"] == "127.0.0.2"
     assert proof.role(info=info)["role"] == "ray worker"  # rank not known yet: vLLM's state not initialised
-    _fake_parallel_state(monkeypatch, rank=1)
+    parallel_state(rank=1)
     got = proof.role(info=info)
     assert (got["role"], got["rank"], got["local_rank"], got["world_size"], got["tp_rank"]) == (
         "ray worker 1", "1", "0", "2", "1")
@@ -263,9 +268,9 @@ def test_ray_worker_recognised_by_argv0_or_raylet_env(monkeypatch):
     assert proof.role()["role"] == "ray worker"
     monkeypatch.setattr(sys, "argv", ["serve.py"])
     assert proof.role()["role"] != "ray worker"
-    monkeypatch.setitem(sys.modules, "ray", sys.modules.get("ray") or __import__("types").ModuleType("ray"))
-    assert proof.is_ray_worker({"RAY_RAYLET_PID": "123"})
-    assert not proof.is_ray_worker({})
+    with standins.modules({} if "ray" in sys.modules else {"ray": {}}, permissive=False):
+        assert proof.is_ray_worker({"RAY_RAYLET_PID": "123"})
+        assert not proof.is_ray_worker({})
 
 
 def test_driver_is_not_a_ray_worker(fake_ray, monkeypatch):
@@ -280,11 +285,11 @@ def test_no_ray_no_info_and_nothing_imported(monkeypatch):
     assert not any(n == "ray" or n.startswith("ray.") for n in sys.modules)
 
 
-def test_applied_publishes_the_record_to_rays_kv(shim, fake_ray, tmp_path, monkeypatch, mocker):
+def test_applied_publishes_the_record_to_rays_kv(shim, fake_ray, parallel_state, tmp_path, monkeypatch, mocker):
     monkeypatch.setenv("OMNI_PATCHES_STATE_DIR", str(tmp_path / "st"))
     monkeypatch.setenv("OMNI_PATCHES_INSTANCE", "inst-7")
     proof.forget()
-    _fake_parallel_state(monkeypatch, rank=1)
+    parallel_state(rank=1)
     put = mocker.spy(fake_ray.kv_module, "_internal_kv_put")
     shim.omni("0.28.0")
     shim.registry(entry())

@@ -16,6 +16,7 @@ import pytest
 
 import omni_patches
 from omni_patches import cli, fleet, proof
+from omni_patches.testing import standins
 from support import proof_child
 from support.fake_gcs import FakeCluster, ray_record
 from support.fakes import entry
@@ -371,16 +372,16 @@ def test_plugin_outside_a_serving_instance_records_nothing(fresh_proof, tmp_path
     assert not (tmp_path / "st").exists()
 
 
-def test_workers_record_the_parallel_layout(monkeypatch):
+def test_workers_record_the_parallel_layout():
     import types
 
-    ps = types.ModuleType("vllm.distributed.parallel_state")
-    ps._WORLD = types.SimpleNamespace(rank=3, local_rank=1, world_size=4)
-    ps._TP = types.SimpleNamespace(rank_in_group=1, world_size=2)
-    ps._PP = types.SimpleNamespace(rank_in_group=0, world_size=1)
-    ps._DP = types.SimpleNamespace(rank_in_group=1, world_size=2)
-    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", ps)
-    assert proof.vllm_rank() == {"rank": 3, "local_rank": 1, "world_size": 4, "tp_rank": 1, "tp_size": 2,
+    group = types.SimpleNamespace
+    with standins.modules({"vllm.distributed.parallel_state": {
+            "_WORLD": group(rank=3, local_rank=1, world_size=4), "_TP": group(rank_in_group=1, world_size=2),
+            "_PP": group(rank_in_group=0, world_size=1), "_DP": group(rank_in_group=1, world_size=2)}},
+            permissive=False):
+        got = proof.vllm_rank()
+    assert got == {"rank": 3, "local_rank": 1, "world_size": 4, "tp_rank": 1, "tp_size": 2,
                                  "pp_size": 1, "dp_size": 2}
 
 

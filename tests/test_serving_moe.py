@@ -36,7 +36,6 @@ Every case runs once per module (``MoeRun.case``); the figures are printed at th
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import re
@@ -46,7 +45,7 @@ from pathlib import Path
 import pytest
 
 from support import serving
-from support.cpu_moe_standins import LAYOUT_TAG
+from support import cpu_moe_standins as moe_standins
 
 # Its own xdist group, started with the heavy one: the heavy group is the suite's long pole (~20 min on one worker)
 # while the other workers run out of work early, so these servers use that idle CPU instead of lengthening it.
@@ -96,9 +95,6 @@ CASES = {
 OMNI_032 = "0.32.0rc1"
 
 
-rss_bytes, pixel_std = serving.rss_bytes, serving.pixel_std
-
-
 class MoeRun(serving.Steps):
     """The servers of the module's run on ``omni``; each case runs once, its results (or error) kept."""
 
@@ -143,7 +139,7 @@ class MoeRun(serving.Steps):
                 seconds.append(round(time.monotonic() - t0, 2))
             out["pngs"], out["image_s"] = pngs, seconds
             procs = s.processes()
-            rss = rss_bytes(procs)
+            rss = serving.rss_bytes(procs)
             out["rss"] = {str(pid): {"bytes": n, "cmd": " ".join(procs.get(pid, []))[:120]} for pid, n in rss.items()}
             out["rss_total_bytes"] = sum(rss.values())
             out["records"] = s.records()
@@ -155,12 +151,12 @@ class MoeRun(serving.Steps):
         finally:
             out["stopped"] = s.stop(grace=30)
             log = s.log_text()
-            out["layout_lines"] = [ln[ln.index(LAYOUT_TAG):] for ln in log.splitlines() if LAYOUT_TAG in ln]
+            out["layout"] = moe_standins.layout_facts(log)
             out["ep_rank_lines"] = [ln[ln.index("[EP Rank"):] for ln in log.splitlines() if "[EP Rank" in ln]
             out["patch_log_lines"] = [ln for ln in log.splitlines() if f"{PATCH}:" in ln]
             out["log_tail"] = s.log_tail(60)
         if out.get("pngs"):
-            out["pixel_std"] = round(pixel_std(self.omni, out["pngs"][0]), 2)
+            out["pixel_std"] = round(serving.pixel_std(self.omni, out["pngs"][0]), 2)
         return out
 
     def stop_all(self) -> None:
@@ -244,12 +240,6 @@ EXPERTS = 8
 COMBINE_NOTE = "MoE runner combines over DP before PCP"
 
 
-def layout_facts(r: dict) -> list[dict]:
-    """Each EP rank's ``OMNI_TEST_MOE_LAYOUT`` facts (global rank, EP rank and group, its experts), by rank."""
-    facts = [json.loads(line.split(" ", 1)[1]) for line in r["layout_lines"]]
-    return sorted(facts, key=lambda f: f["rank"])
-
-
 def describe(r: dict, facts: list[dict]) -> str:
     return (f"healthy {r['healthy_s']} s, s/image {r['image_s']}, RSS {r['rss_total_bytes'] / 2**30:.2f} GiB; "
             + "; ".join(f"rank {f['rank']} experts {f['experts']}" for f in facts))
@@ -258,9 +248,9 @@ def describe(r: dict, facts: list[dict]) -> str:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_shim_builds_ep_over_every_rank_each_expert_once(run, layout):
     r = run.case(f"{layout}_ep_shim")
-    facts = layout_facts(r)
+    facts = r["layout"]
     print(f"\n{layout} shim: {describe(r, facts)}")
-    assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout_lines"]
+    assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout"]
     for f in facts:
         assert (f["ep_rank"], f["ep_size"], f["ep_ranks"]) == (f["rank"], WORKERS, list(range(WORKERS))), f
         assert len(f["experts"]) == EXPERTS // WORKERS, f
@@ -274,11 +264,11 @@ def test_stock_builds_fused_moe_ep_over_tp_only(run, layout):
     group, so every expert sits on 2 ranks -- the mismatch of the seed. On CPU that does not crash (vLLM's CPU
     experts and combine still give right numbers, see the image test); the seed's crash is on the NPU path."""
     r = run.case(f"{layout}_ep_stock")
-    facts = layout_facts(r)
+    facts = r["layout"]
     print(f"\n{layout} stock: {describe(r, facts)}")
-    assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout_lines"]
+    assert [f["rank"] for f in facts] == list(range(WORKERS)), r["layout"]
     assert {f["ep_size"] for f in facts} == {WORKERS}  # omni's EP group: all 4 ranks
-    held = collections.Counter(e for f in facts for e in f["experts"])
+    held = moe_standins.holders(facts)
     assert held == {e: 2 for e in range(EXPERTS)}, held  # ... while FusedMoE's map is EP 2: each expert twice
     assert r["ep_rank_lines"] and all("/2]" in line for line in r["ep_rank_lines"]), r["ep_rank_lines"]
     assert r["records"] == []  # the shim never ran there
@@ -340,7 +330,7 @@ def test_sp_with_cfg_shim_warns_and_serves_as_stock(run):
         assert patch_states(rec)[PATCH] == "applied"
         assert any(COMBINE_NOTE in n for n in rec["patches"][PATCH]["notes"]), rec["patches"][PATCH]
         assert not any(n.startswith("mapped:") for n in rec["patches"][PATCH]["notes"])
-    assert shim["layout_lines"] == stock["layout_lines"] == []  # no expert map: FusedMoE without EP, as stock
+    assert shim["layout"] == stock["layout"] == []  # no expert map: FusedMoE without EP, as stock
     assert shim["ep_rank_lines"] == stock["ep_rank_lines"]
     [same] = serving.image_stats(run.omni, stock["pngs"][0], shim["pngs"][0])
     print(f"\nSP2·CFG2 shim vs stock: {same}; healthy stock {stock['healthy_s']} s, shim {shim['healthy_s']} s")
@@ -387,7 +377,7 @@ def test_run_default_moe_serves_tp2_cfg2_with_ep_and_shows_each_ranks_place(run,
     text = proc.stdout + proc.stderr
     print("\n" + proc.stdout[-2500:])
     assert proc.returncode == 0, text[-5000:]
-    assert pixel_std(run.omni, out.read_bytes()) >= MIN_PIXEL_STD
+    assert serving.pixel_std(run.omni, out.read_bytes()) >= MIN_PIXEL_STD
     assert re.search(rf"instance \S+: {WORKERS} of {WORKERS} worker rank\(s\) recorded", text), text[-3000:]
     for rank in range(WORKERS):
         assert f"(rank {rank}): mapped: vLLM EP rank {rank} of {WORKERS} over ranks [0, 1, 2, 3]" in text

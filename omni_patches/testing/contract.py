@@ -1,13 +1,17 @@
 """The contract every patch passes -- the built-in ones (tests/test_contract.py) and an operator's overlay patch.
 
-A patch's test author describes *where* its target lives, in a module defining ``CASE``::
+A patch's test author describes *where* its target lives (a :class:`~omni_patches.testing.Release`: the real
+release files, stand-ins for the rest), in a module defining ``CASE``::
 
+    LOADER = "vllm_omni/diffusion/lora/loader.py"
+    base = Release("vllm-omni", "0.28.0", files=[LOADER], auto_standins=True).env()
     CASE = Case(
         patch_id="lora-accel-delta",
-        affected=[Env("omni-0.28.0", lambda: [str(loader_sandbox("0.28.0"))])],
-        skipped=[(Env("omni-0.30.0", ...), "skipped:version", "fixed upstream")],
-        drifted=[(Env.edited("omni-0.28.0-renamed", base, "vllm_omni/diffusion/lora/loader.py",
-                              "def _prepare_lora_delta(", "def _prepare_lora_delta_v2("), "no attribute")],
+        affected=[base],
+        skipped=[(Release("vllm-omni", "0.30.0", files=[LOADER], auto_standins=True).env(), "skipped:version",
+                  "fixed upstream")],
+        drifted=[(Env.edited("omni-0.28.0-renamed", base, LOADER, "def _prepare_lora_delta(",
+                              "def _prepare_lora_delta_v2("), "no attribute")],
     )
 
 and :func:`check` runs each part in an interpreter of its own (real upstream files and their stubs never leak

@@ -29,7 +29,7 @@ What a :class:`Release` gives, built once and cached under :func:`omni_patches.t
   stand-ins first); ``real=False`` makes a distribution of stand-ins only (the engine's own tests);
 * ``sources`` -- modules written as they are (not permissive): a made-up distribution's code (:func:`fake`);
 * ``with_`` -- more ``sys.path`` entries after the sandbox: another :class:`Release`, a whole unpacked tree
-  (:func:`unpacked`), or a :func:`deps` directory.
+  (:func:`unpacked`), a :func:`deps` directory, or a function giving one or a list of them (built when asked).
 
 Edited copies (upstream code that drifted) are :meth:`omni_patches.testing.Env.edited` of a release's
 :meth:`Release.env`. Stand-ins shadow real packages: use a release in a child (:meth:`Release.call`,
@@ -64,7 +64,17 @@ STORE = CACHE / "unpacked" / ".files"
 #: A permissive stand-in module (``standins={"vllm.logger": AUTO}``).
 AUTO = None
 #: Changes with the layout :meth:`Release.paths` writes (part of every sandbox's recipe).
-LAYOUT = "release-1"
+LAYOUT = "release-2"  # 2: the dist-info claims the release's own top-level packages only
+
+
+def keep_bytecode(env: dict) -> dict:
+    """``env`` (changed in place, and returned) for a child whose bytecode is kept once under the cache root
+    (:data:`PYCACHE`): ``PYTHONDONTWRITEBYTECODE`` (set on some machines) dropped, ``PYTHONPYCACHEPREFIX`` set. The
+    stacks and release trees are installed without ``.pyc``: without this every child, server or world compiles vLLM,
+    transformers and torch's Python again (a served worker of the 0.22.0 stack: healthy in 44 s instead of 15 s)."""
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+    return env
 
 
 def locked(name: str):
@@ -436,7 +446,7 @@ class Release:
     def __post_init__(self):
         for name in ("files", "packages", "passthrough", "with_"):
             value = getattr(self, name)
-            if isinstance(value, (str, Path, Release)):
+            if isinstance(value, (str, Path, Release)) or callable(value):
                 value = (value,)
             object.__setattr__(self, name, tuple(value))
 
@@ -519,6 +529,15 @@ class Release:
             real.pop(rel, None)  # into the shared unpacked release)
         return real, written, sorted(auto)
 
+    def _tops(self, real: dict) -> list:
+        """The top-level packages the dist-info claims: the release's own (its real files, its ``sources``; a
+        distribution of stand-ins only: those too), never the stand-ins of other distributions beside them (vllm-omni
+        claiming ``vllm`` or ``vllm_ascend`` would make the version gates read its version for theirs)."""
+        own = {rel.split("/")[0].removesuffix(".py") for rel in real} | {m.split(".")[0] for m in self.sources}
+        if not self.real:
+            own |= {m.split(".")[0] for m in self.standins}
+        return sorted(own - {""})
+
     def write(self, dest: Path) -> Path:
         """The sandbox written into ``dest`` (not cached, plain copies: a test may change it); ``dest``."""
         dest = Path(dest)
@@ -530,8 +549,7 @@ class Release:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             (dest / rel).write_text(text)
         if self.metadata:
-            tops = sorted({rel.split("/")[0].removesuffix(".py") for rel in [*real, *written]} - {""})
-            write_dist_info(dest, self.dist, self.metadata_version or self.version, tops,
+            write_dist_info(dest, self.dist, self.metadata_version or self.version, self._tops(real),
                             record=sorted([*real, *written]))
         return dest
 
@@ -552,8 +570,7 @@ class Release:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / rel).write_text(text)
             if self.metadata:
-                tops = sorted({rel.split("/")[0].removesuffix(".py") for rel in [*real, *written]} - {""})
-                write_dist_info(tmp, self.dist, self.metadata_version or self.version, tops)
+                write_dist_info(tmp, self.dist, self.metadata_version or self.version, self._tops(real))
 
         return built(self.name.replace("/", "_"), digest.hexdigest(), fill)
 
@@ -563,8 +580,9 @@ class Release:
         for extra in self.with_:
             if isinstance(extra, Release):
                 out += extra.paths()
-            elif callable(extra):
-                out += [str(p) for p in extra()]
+            elif callable(extra):  # built when asked: a directory, or a list of them
+                got = extra()
+                out += [str(p) for p in ([got] if isinstance(got, (str, Path)) else got)]
             else:
                 out.append(str(extra))
         return out
@@ -580,8 +598,8 @@ class Release:
         forks, records where this one does), one OpenMP thread, bytecode under the cache, ``PYTHONPATH`` =
         ``pythonpath``, the release's paths, then this checkout."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") or k in KEPT_SETTINGS}
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env.update({"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONPYCACHEPREFIX": str(PYCACHE),
+        keep_bytecode(env)
+        env.update({"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
                     "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"),
                     "VLLM_PLUGINS": ""})
         home = str(Path(__file__).resolve().parents[2])

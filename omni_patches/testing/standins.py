@@ -77,27 +77,30 @@ def install(name: str, **attrs) -> types.ModuleType:
     return mod
 
 
-def module(name: str, **attrs) -> AutoModule:
-    """A permissive module object ``name`` with ``attrs`` (not put into ``sys.modules``: see :func:`modules`)."""
-    mod = AutoModule(name)
+def module(name: str, *, permissive: bool = True, **attrs) -> types.ModuleType:
+    """A module object ``name`` with ``attrs`` (not put into ``sys.modules``: see :func:`modules`): permissive (an
+    :class:`AutoModule`), or, ``permissive=False``, exactly ``attrs`` (for code that asks ``getattr(mod, name,
+    default)`` and must get the default)."""
+    mod = AutoModule(name) if permissive else types.ModuleType(name)
     mod.__path__ = []  # a package: submodules of a stand-in are stand-ins too
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
     for key, value in attrs.items():
         setattr(mod, key, value)
     return mod
 
 
 @contextlib.contextmanager
-def modules(spec: dict):
+def modules(spec: dict, *, permissive: bool = True):
     """``with modules({"torch_npu": {...attrs}, "vllm.logger": {}}) as mods:`` -- stand-ins in ``sys.modules`` for
     the block (a parent package is made for each dotted name that has none; each child is set on its parent), and
-    ``sys.modules`` as it was afterwards."""
+    ``sys.modules`` as it was afterwards. ``permissive=False``: modules holding exactly their ``attrs``."""
     before = {name: sys.modules.get(name) for name in _with_parents(spec)}
     made = {}
     try:
         for name in sorted(before, key=lambda n: n.count(".")):
             if before[name] is not None and name not in spec:
                 continue  # a real parent package stays
-            made[name] = sys.modules[name] = module(name, **spec.get(name, {}))
+            made[name] = sys.modules[name] = module(name, permissive=permissive, **spec.get(name, {}))
             parent, _, leaf = name.rpartition(".")
             if parent:
                 setattr(sys.modules[parent], leaf, made[name])

@@ -133,9 +133,9 @@ def run(release: str, *, shim: bool, paths: list[str] | None = None, timeout: in
         (Path(tmp) / "omni_peer_status.py").write_text(_PLUGIN)
         (Path(tmp) / f"{TVFIX_MODULE}.py").write_text(TVFIX_SOURCE)
         env = clean_env(OMNI_PEER_PATCH=PATCH_ID, OMNI_PEER_STATUS=str(Path(tmp) / "status.json"))
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        wheels.keep_bytecode(env)
         # The repository root stays off sys.path: upstream's conftest imports its own top-level `tests` package.
-        env.update({"PYTHONPATH": os.pathsep.join([tmp, *deps]), "PYTHONPYCACHEPREFIX": str(ascend_real.PYCACHE),
+        env.update({"PYTHONPATH": os.pathsep.join([tmp, *deps]),
                     "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false",
                     "HOME": str(ascend_real.CHILD_HOME)})  # vllm-ascend's file log goes under HOME
         if shim:

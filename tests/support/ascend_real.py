@@ -35,12 +35,11 @@ import types
 from pathlib import Path
 
 from omni_patches.testing import run_code
+from omni_patches.testing.releases import write_dist_info
 
 from . import wheels
-from .fakes import write_dist_info
 
 ROOT = Path(__file__).resolve().parents[2]
-PYCACHE = wheels.CACHE / "pycache"
 # HOME of the children that import real vllm-ascend: its logger opens ~/ascend/log/vllm_ascend/vllm_ascend_<time>_<pid>.log
 # at platform / worker set-up (newer releases), which would leave a file in the user's home per child.
 CHILD_HOME = wheels.CACHE / "ascend-home"
@@ -222,7 +221,7 @@ def boot(pkg_globals: dict, real_init: str) -> None:
     """Run by the sandbox's ``vllm_ascend/__init__.py``: stubs, then the release's own ``__init__``."""
     install_cpu_stubs(Path(pkg_globals["__file__"]).parent)
     if sys.pycache_prefix is None:  # contract children start without child_env: keep vLLM's bytecode anyway
-        sys.pycache_prefix, sys.dont_write_bytecode = str(PYCACHE), False
+        sys.pycache_prefix, sys.dont_write_bytecode = str(wheels.PYCACHE), False
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     with open(real_init) as fh:
         code = compile(fh.read(), real_init, "exec")
@@ -236,10 +235,8 @@ def child_env(extra_paths, **extra) -> dict:
     from .venvs import clean_env
 
     env = clean_env(**extra)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    # Bytecode of vLLM / vllm-ascend (thousands of files) goes to the test cache, not beside the sources:
-    # recompiling them costs seconds per child.
-    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPYCACHEPREFIX": str(PYCACHE),
+    wheels.keep_bytecode(env)  # vLLM / vllm-ascend: thousands of files, seconds per child to compile again
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"), "VLLM_PLUGINS": "",
                 "HOME": str(CHILD_HOME)})
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), *map(str, extra_paths)])

@@ -18,6 +18,7 @@ is vLLM's real code:
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -137,6 +138,17 @@ def layout_of(layer) -> dict:
     except Exception as exc:  # a fact we could not read is said, never guessed
         fact["ep_error"] = f"{type(exc).__name__}: {exc}"
     return fact
+
+
+def layout_facts(log_text: str) -> list[dict]:
+    """Each rank's :func:`layout_of` facts, read from the :data:`LAYOUT_TAG` lines of a server's log, by rank."""
+    facts = [json.loads(ln[ln.index(LAYOUT_TAG):].split(" ", 1)[1]) for ln in log_text.splitlines() if LAYOUT_TAG in ln]
+    return sorted(facts, key=lambda f: (f["rank"] is None, f["rank"] or 0))
+
+
+def holders(facts: list[dict]) -> collections.Counter:
+    """``{expert: how many ranks hold it}`` over the ranks' :func:`layout_facts`."""
+    return collections.Counter(e for f in facts for e in f["experts"])
 
 
 _HELD: list = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from omni_patches.testing.releases import write_dist_info
+
 
 def make_dist(site: Path, dist: str, version: str, files: dict[str, str]) -> Path:
     """Write ``files`` (relative path -> source) plus ``<dist>-<version>.dist-info`` into ``site``."""
@@ -15,16 +17,6 @@ def make_dist(site: Path, dist: str, version: str, files: dict[str, str]) -> Pat
     tops = sorted({rel.split("/")[0].removesuffix(".py") for rel in files})
     write_dist_info(site, dist, version, tops, record=files)
     return site
-
-
-def write_dist_info(root: Path, dist: str, version: str, tops, record=()) -> Path:
-    """``<dist>-<version>.dist-info`` in ``root``: what importlib.metadata (the engine's gates) reads."""
-    info = Path(root) / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "top_level.txt").write_text("".join(f"{t}\n" for t in ([tops] if isinstance(tops, str) else tops)))
-    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in record))
-    return info
 
 
 FAKE_LOADER = '''

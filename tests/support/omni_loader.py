@@ -1,27 +1,18 @@
 """Run the REAL ``vllm_omni/diffusion/lora/loader.py`` of a vllm-omni release with torch alone.
 
-:func:`loader_sandbox` builds (once per version, cached next to the wheels) a directory holding
+:func:`release` is a :class:`~omni_patches.testing.Release` of that one file, byte for byte from the PyPI wheel,
+with its dist-info, and stand-ins (the one mechanism) for what it imports: ours with behaviour where the loader's
+result depends on it (:data:`STANDINS`), permissive ones for the rest (diffusers' converters of non-diffusers
+formats, huggingface_hub: never reached by a local state dict). With its directory first on ``sys.path``,
+``import vllm_omni.diffusion.lora.loader`` imports the real file (~0.5-1.5 s here, torch import included) and
+``LoraLoaderMixin.load_lora_into_module`` / ``unload_module_lora`` run on any small ``torch.nn.Module``. The
+stand-ins shadow real packages: use it in a child (:func:`run_sandboxed`, :func:`sandbox_env`, the contract).
 
-* ``vllm_omni/diffusion/lora/loader.py`` copied byte for byte from the PyPI wheel,
-* a minimal ``vllm_omni-<version>.dist-info`` (so ``importlib.metadata.version("vllm-omni")`` answers),
-* small stubs for everything the real file imports: ``vllm.logger``, ``diffusers.loaders.
-  lora_conversion_utils``, ``huggingface_hub``, ``safetensors.torch``, ``vllm_omni.diffusion.utils.
-  tf_utils``, ``vllm_omni.transformers_utils.repo_utils`` (0.29+), ``vllm_omni.diffusion.distributed.
-  utils`` (0.30+ imports ``get_local_device``; stubbed for every version so a backport can use it),
-  and empty ``__init__`` files (the real ``vllm_omni/__init__`` and ``lora/__init__`` pull in vLLM).
-
-With that directory first on ``sys.path``, ``import vllm_omni.diffusion.lora.loader`` imports the
-real file (~0.5-1.5 s here, torch import included) and ``LoraLoaderMixin.load_lora_into_module`` /
-``unload_module_lora`` run on any small ``torch.nn.Module``.
-
-The stubs shadow real ``vllm``/``diffusers``/``huggingface_hub``/``safetensors`` packages, so use
-the sandbox in a subprocess (:func:`run_sandboxed`, :func:`sandbox_env`), not in the pytest process.
-
-``get_local_device()`` stub (``vllm_omni.diffusion.distributed.utils``): returns
-``torch.device(LOCAL_DEVICE)`` where the module attribute ``LOCAL_DEVICE`` wins when not None,
-else env ``OMNI_TEST_LOCAL_DEVICE`` (read at call time), default ``"cpu"``. Like the real one it
-answers ``"cuda:0"``/``"npu:0"`` whether or not such a device exists. ``CALLS`` counts its calls
-(upstream 0.30 calls it once per load/unload call).
+``get_local_device()`` (``vllm_omni.diffusion.distributed.utils``, imported by 0.30+; there for every version so
+that a backport can use it): ``torch.device(LOCAL_DEVICE)`` where the module attribute ``LOCAL_DEVICE`` wins when
+not None, else env ``OMNI_TEST_LOCAL_DEVICE`` (read at call time), default ``"cpu"``. Like the real one it answers
+``"cuda:0"`` / ``"npu:0"`` whether or not such a device exists. ``CALLS`` counts its calls (upstream 0.30 calls it
+once per load/unload call).
 
 How the loader maps state-dict keys to parameters (identical 0.27.0rc1 .. 0.32.0rc1 except where noted)
 ------------------------------------------------------------------------------------------------
@@ -45,56 +36,22 @@ How the loader maps state-dict keys to parameters (identical 0.27.0rc1 .. 0.32.0
 """
 from __future__ import annotations
 
+import functools
 import os
-import shutil
 import subprocess
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing import run_code
-
-from .fakes import write_dist_info
+from omni_patches.testing import Release, run_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOADER_RELPATH = "vllm_omni/diffusion/lora/loader.py"
 DEVICE_ENV = "OMNI_TEST_LOCAL_DEVICE"
 
-# Every module a known loader.py version imports (besides stdlib and torch). ``_check_imports`` fails
-# the sandbox build loudly if a new upstream version imports something that is not covered here.
-_STUBS: dict[str, str] = {
-    "vllm/__init__.py": '"""Stub of vLLM for the omni-patches loader sandbox."""\n__version__ = "{vllm_version}"\n',
-    "vllm/logger.py": '''
-        import logging
-
-
-        def init_logger(name):
-            return logging.getLogger(name)
-        ''',
-    "diffusers/__init__.py": '"""Stub."""\n',
-    "diffusers/loaders/__init__.py": '"""Stub."""\n',
-    "diffusers/loaders/lora_conversion_utils.py": '''
-        def _convert_non_diffusers_qwen_lora_to_diffusers(state_dict):
-            raise NotImplementedError("stub: non-diffusers Qwen LoRA conversion is not available in the sandbox")
-
-
-        def _convert_non_diffusers_wan_lora_to_diffusers(state_dict):
-            raise NotImplementedError("stub: non-diffusers Wan LoRA conversion is not available in the sandbox")
-        ''',
-    "huggingface_hub/__init__.py": '''
-        def hf_hub_download(repo_id, filename=None, **kwargs):
-            raise OSError(f"stub huggingface_hub: no network ({repo_id}/{filename})")
-
-
-        class HfApi:
-            def __init__(self, **kwargs):
-                self.kwargs = kwargs
-
-            def hf_hub_download(self, repo_id, filename=None, **kwargs):
-                return hf_hub_download(repo_id, filename, **kwargs)
-        ''',
-    "safetensors/__init__.py": '"""Stub."""\n',
-    "safetensors/torch.py": '''
-        """Stub: ``save_file``/``load_file`` round-trip through torch.save (NOT the safetensors format)."""
+STANDINS = {
+    "vllm.logger": "import logging\ninit_logger = logging.getLogger",
+    "safetensors.torch": '''
+        """``save_file``/``load_file`` round-trip through torch.save (NOT the safetensors format)."""
         import torch
 
 
@@ -105,112 +62,32 @@ _STUBS: dict[str, str] = {
         def load_file(filename, device="cpu"):
             return torch.load(filename, map_location=device, weights_only=True)
         ''',
-    "vllm_omni/__init__.py": 'from .version import __version__, __version_tuple__  # noqa: F401\n',
-    "vllm_omni/version.py": '__version__ = "{version}"\n__version_tuple__ = {version_tuple}\n',
-    "vllm_omni/diffusion/__init__.py": "",
-    "vllm_omni/diffusion/lora/__init__.py": "",
-    "vllm_omni/diffusion/utils/__init__.py": "",
-    "vllm_omni/diffusion/utils/tf_utils.py": '''
+    "vllm_omni.diffusion.utils.tf_utils": '''
         def get_transformer_from_pipeline(pipeline, transformer_name="transformer"):
             return getattr(pipeline, transformer_name, None)
         ''',
-    "vllm_omni/transformers_utils/__init__.py": "",
-    "vllm_omni/transformers_utils/repo_utils.py": '''
-        from huggingface_hub import HfApi
-
-        _hf_api = None
-
-
-        def hf_api():
-            global _hf_api
-            if _hf_api is None:
-                _hf_api = HfApi(library_name="vllm-omni")
-            return _hf_api
-        ''',
-    "vllm_omni/diffusion/distributed/__init__.py": "",
-    "vllm_omni/diffusion/distributed/utils.py": '''
-        """Stub of omni's distributed utils: a controllable ``get_local_device``."""
+    "vllm_omni.diffusion.distributed.utils": f'''
         import os
 
         import torch
 
-        #: when not None, wins over the env var
-        LOCAL_DEVICE = None
-        #: number of get_local_device() calls
-        CALLS = 0
+        LOCAL_DEVICE = None  # when not None, wins over the env var
+        CALLS = 0  # get_local_device() calls
 
 
         def get_local_device() -> torch.device:
             global CALLS
             CALLS += 1
-            spec = LOCAL_DEVICE if LOCAL_DEVICE is not None else os.environ.get("{device_env}", "cpu")
-            return torch.device(spec)
+            return torch.device(LOCAL_DEVICE if LOCAL_DEVICE is not None else os.environ.get("{DEVICE_ENV}", "cpu"))
         ''',
 }
 
-_ALLOWED_ROOTS = {"torch", "os", "collections", "typing", "re", "functools", "itertools", "dataclasses",
-                  "logging", "__future__", "contextlib", "math", "abc", "enum", "json", "pathlib"}
 
-
-def _version_tuple(version: str) -> tuple:
-    from packaging.version import Version
-
-    v = Version(version)
-    return tuple(v.release) + ((f"{v.pre[0]}{v.pre[1]}",) if v.pre else ())
-
-
-def _render(version: str) -> dict[str, str]:
-    rel = _version_tuple(version)
-    fmt = {
-        "version": version,
-        "version_tuple": rel,
-        "vllm_version": f"{rel[0]}.{rel[1]}.0",
-        "device_env": DEVICE_ENV,
-    }
-    out = {}
-    for path, src in _STUBS.items():
-        src = textwrap.dedent(src).lstrip("\n")
-        # only substitute our own placeholders (stub bodies contain f-string braces)
-        for k, v in fmt.items():
-            src = src.replace("{" + k + "}", str(v) if k != "version_tuple" else repr(v))
-        out[path] = src
-    return out
-
-
-def _check_imports(loader_src: str, stubs: dict[str, str]) -> None:
-    import ast
-
-    stubbed = {p[:-3].replace("/", ".").removesuffix(".__init__") for p in stubs}
-    for node in ast.walk(ast.parse(loader_src)):
-        mods = []
-        if isinstance(node, ast.Import):
-            mods = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            mods = [node.module]
-        for m in mods:
-            if m.split(".")[0] in _ALLOWED_ROOTS or m in stubbed:
-                continue
-            raise RuntimeError(f"loader.py imports {m!r}, which the sandbox does not stub; extend _STUBS")
-
-
-def loader_sandbox(version: str) -> Path:
-    """Directory to put first on ``sys.path`` to import the real ``loader.py`` of vllm-omni ``version``."""
-    from .wheels import real_file, sandbox  # lazy: keeps pytest out of sandboxed subprocesses
-
-    real = real_file("vllm-omni", version, LOADER_RELPATH)
-    loader_src = real.read_text()
-    stubs = _render(version)
-
-    def fill(tmp: Path) -> None:
-        _check_imports(loader_src, stubs)
-        for rel, src in stubs.items():
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / rel).write_text(src)
-        shutil.copyfile(real, tmp / LOADER_RELPATH)
-        write_dist_info(tmp, "vllm-omni", version, "vllm_omni")
-
-    recipe = "\0".join([loader_src, *(f"{k}\0{stubs[k]}" for k in sorted(stubs))])
-    return sandbox(f"omni-loader-{version}", recipe, fill)
+@functools.cache
+def release(version: str) -> Release:
+    """The real ``loader.py`` of vllm-omni ``version`` with :data:`STANDINS`."""
+    return Release("vllm-omni", version, files=[LOADER_RELPATH], standins=STANDINS, auto_standins=True,
+                   passthrough=("torch",))
 
 
 def sandbox_env(version: str, *, local_device: str | None = None, fake_npu_broken: bool = False,
@@ -218,13 +95,8 @@ def sandbox_env(version: str, *, local_device: str | None = None, fake_npu_broke
     """Environment for a subprocess: sandbox first on PYTHONPATH, then tests/ (``support``) and the repo root
     (the package under test importable), optional ``get_local_device()`` answer."""
     env = dict(os.environ)
-    parts = [str(loader_sandbox(version)), str(REPO_ROOT / "tests"), str(REPO_ROOT)]
-    src = REPO_ROOT / "src"
-    if src.is_dir():
-        parts.append(str(src))
-    if env.get("PYTHONPATH"):
-        parts.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["PYTHONPATH"] = os.pathsep.join([*release(version).paths(), str(REPO_ROOT / "tests"), str(REPO_ROOT),
+                                         *filter(None, [env.get("PYTHONPATH")])])
     if local_device is not None:
         env[DEVICE_ENV] = local_device
     if fake_npu_broken:

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from .stacks import install_project, stack_python
-from .wheels import CACHE, PYCACHE, locked, sandbox
+from .wheels import CACHE, keep_bytecode, locked, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
@@ -114,12 +114,8 @@ def _clean_child_env() -> dict:
            if not k.startswith("OMNI_PATCHES") and k not in ("PYTHONPATH", "VIRTUAL_ENV",
                                                               "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
-    # Bytecode as the test suite keeps it (tests/conftest.py): the stacks are installed without .pyc, and where
-    # PYTHONDONTWRITEBYTECODE is set every server start would compile vLLM again (one worker of the 0.22.0 stack:
-    # healthy in 44 s instead of 15 s). The demo and bench/serving_moe.py start their servers through here too.
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env.setdefault("PYTHONPYCACHEPREFIX", str(PYCACHE))
-    return env
+    # Bytecode as the test suite keeps it; the demo and bench/serving_moe.py start their servers through here too.
+    return keep_bytecode(env)
 
 
 def _plugin_files(target: Path) -> None:

@@ -15,8 +15,8 @@ from omni_patches.tools import atomic, index
 
 
 from omni_patches.testing.releases import (  # noqa: F401 - the builder's fetching, re-exported for the suite
-    CACHE, COMPILED, FILTER, PYCACHE, SDIST_SKIP, STORE, built as sandbox, deps as deps_dir, download, locked,
-    real_file, release_root, unpacked)
+    CACHE, COMPILED, FILTER, PYCACHE, SDIST_SKIP, STORE, built as sandbox, deps as deps_dir, download, keep_bytecode,
+    locked, real_file, release_root, unpacked)
 from omni_patches.testing import releases
 
 

@@ -36,9 +36,9 @@ from unittest.mock import MagicMock
 
 from packaging.version import Version
 
-from support import wheels
-from support.fakes import write_dist_info
+from omni_patches.testing.releases import write_dist_info
 from omni_patches.testing.standins import Finder
+from support import wheels
 
 TARGET = "vllm_ascend.ops.fused_moe.prepare_finalize"
 REL = "vllm_ascend/ops/fused_moe/prepare_finalize.py"

@@ -27,11 +27,11 @@ import textwrap
 from pathlib import Path
 
 from omni_patches.testing import run_code
+from omni_patches.testing.releases import write_dist_info
+from omni_patches.testing.standins import Finder
 
 from support import wheels
 from support.ci import skip_or_fail
-from support.fakes import write_dist_info
-from omni_patches.testing.standins import Finder
 
 ROOT = Path(__file__).resolve().parents[3]
 

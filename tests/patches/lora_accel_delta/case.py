@@ -1,10 +1,10 @@
 """Contract case for lora-accel-delta: the real loader.py of each release (tests/support/omni_loader.py)."""
 from omni_patches.testing import Case, Env, Unexpected
-from support.omni_loader import LOADER_RELPATH, loader_sandbox
+from support.omni_loader import LOADER_RELPATH, release
 
 
 def sandbox(version, **kw):
-    return Env(f"omni-{version}", lambda: [str(loader_sandbox(version))], **kw)
+    return Env(f"omni-{version}", release(version).paths, **kw)
 
 
 BASE = sandbox("0.28.0")

@@ -1,6 +1,6 @@
 """Contract case for lora-cpu-fused-delta (opt-in): every loader release, also those with upstream's device fix."""
 from omni_patches.testing import Case, Env, Unexpected
-from support.omni_loader import LOADER_RELPATH, loader_sandbox
+from support.omni_loader import LOADER_RELPATH, release
 
 # lora-accel-delta off: the contract compares against the objects before activation, and on 0.27-0.29 it
 # would stack its own layers under ours (the two together: test_fused_real_loader.py).
@@ -8,7 +8,7 @@ ON = {"OMNI_PATCHES_LORA_CPU_FUSED_DELTA": "1", "OMNI_PATCHES_LORA_ACCEL_DELTA":
 
 
 def sandbox(version, env=ON, **kw):
-    return Env(f"omni-{version}", lambda: [str(loader_sandbox(version))], dict(env), **kw)
+    return Env(f"omni-{version}", release(version).paths, dict(env), **kw)
 
 
 BASE = sandbox("0.28.0")

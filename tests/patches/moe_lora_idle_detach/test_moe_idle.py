@@ -2,8 +2,10 @@
 ascend-moe-skip-idle-lora, is tested on every real vllm-ascend release in
 tests/patches/ascend_moe_skip_idle_lora/test_ascend_skip.py).
 
-Every check runs in a fresh interpreter (the sandboxes put stand-ins into sys.modules) with the shim
-activated the way production activates it: ``omni_patches.activate()`` before the target's first import.
+Every check runs in a child on the release (``case.OMNI.call``: the real omni files with case.py's stand-ins), with
+the shim activated the way production activates it: ``omni_patches.activate()`` before the target's first import.
+OMNI_PATCHES stays unset in the child, so an installed .pth (the CI venv has the project installed) never patches a
+run meant to be stock.
 """
 from __future__ import annotations
 
@@ -14,11 +16,7 @@ import textwrap
 
 import pytest
 
-from patches.moe_lora_idle_detach.moe_sandboxes import omni_manager_dir, run_python
-
-# Children activate explicitly (activate(force=True)); OMNI_PATCHES stays unset so an installed .pth (the CI
-# venv has the project installed) never patches a run meant to be stock.
-ROOT_ENV = {}
+from patches.moe_lora_idle_detach import case
 
 
 def _result(proc):
@@ -27,86 +25,14 @@ def _result(proc):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-# --------------------------------------------------------------------------------------------------
-# omni side: the real DiffusionLoRAManager 0.32.0rc1
-# --------------------------------------------------------------------------------------------------
-LIFECYCLE = """
-    import json, os, types
-    import omni_patches
-    patched = os.environ["PATCHED"] == "1"
-    if patched:
-        omni_patches.activate(force=True)
-    from patches.moe_lora_idle_detach import omni_manager as om
-    import vllm_omni.diffusion.lora.manager as manager
-    def record():
-        return {s.id: s for s in omni_patches.status()}["moe-lora-idle-detach"] if patched else None
-    status = record().state if patched else "off"
-    sb = types.SimpleNamespace(DiffusionLoRAManager=manager.DiffusionLoRAManager)
-    out = {"status": status, "runs": {}, "reason_at_import": record() and record().reason}
-
-    def factory(eager):
-        def build(pipe):
-            gpu = {}
-            if eager:  # upstream #9443: wrappers created (and published) inside __init__, no adapter yet
-                def bind(mgr):
-                    if mgr is not None:
-                        mgr._replace_layers_with_lora(om.PEFTHelper(r=8, lora_alpha=8))
-                        mgr._publish_moe_lora_context()
-                pipe._bind_diffusion_lora_manager = bind
-            mgr = manager.DiffusionLoRAManager(pipe, om.torch.device("cpu"), om.torch.float32,
-                                               max_cached_adapters=2, max_num_batched_tokens=64)
-            built.append((pipe, mgr))
-            return mgr
-        return build
-
-    for eager in (False, True):
-        for fail_at in ("merge", "validate"):
-            built = []
-            steps = om.run_lifecycle(sb, fail_at=fail_at, manager_factory=factory(eager))
-            pipe, mgr = built[0]
-            gpu_calls = sum(len(m.gpu_experts.calls) for m in pipe.modules()
-                            if isinstance(m, om.FusedMoEWithLoRA) and m.gpu_experts is not None)
-            out["runs"][f"eager={eager} fail={fail_at}"] = {
-                "steps": [dict(step=s.step, ok=s.invariant_ok, active=s.adapter_active, ctx=s.ascend_has_context,
-                               enabled=s.ascend_context_enabled, gpu=s.gpu_has_context, line=s.line()) for s in steps],
-                "forwards_with_context": pipe.ascend_runner.forwards_with_context,
-                "gpu_runner_lora_calls": len(getattr(pipe.gpu_runner, "lora_context_calls", [])),
-                "gpu_set_lora_context": callable(getattr(pipe.gpu_runner, "set_lora_context", None)),
-                "gpu_calls": gpu_calls,
-            }
-
-    # suspended(): the base model runs with no context, the adapter comes back re-armed (not republished).
-    built = []
-    pipe = om.FakePipeline({"/adapters/a": 8})
-    mgr = manager.DiffusionLoRAManager(pipe, om.torch.device("cpu"), om.torch.float32, max_num_batched_tokens=64)
-    mgr.set_active_adapter(om.LoRARequest("a", 1, "/adapters/a"), 1.0)
-    seen = [pipe.ascend_runner.lora_context is not None]
-    with mgr.suspended():
-        seen.append(pipe.ascend_runner.lora_context is not None)
-    seen.append(pipe.ascend_runner.lora_context is not None)
-    out["suspended"] = seen
-    out["reason_after_use"] = record() and record().reason
-    if patched:
-        omni_patches.unapply("moe-lora-idle-detach")
-        mgr.set_active_adapter(None)
-        out["after_unapply_idle_ctx"] = pipe.ascend_runner.lora_context is not None
-    print("RESULT " + json.dumps(out))
-"""
-
-
-def _lifecycle(patched):
-    path = str(omni_manager_dir("0.32.0rc1"))
-    return _result(run_python(LIFECYCLE, path, env={**ROOT_ENV, "PATCHED": "1" if patched else "0"}))
-
-
 @pytest.fixture(scope="module")
 def stock():
-    return _lifecycle(False)
+    return case.OMNI.call(case.lifecycle, False)
 
 
 @pytest.fixture(scope="module")
 def patched():
-    return _lifecycle(True)
+    return case.OMNI.call(case.lifecycle, True)
 
 
 def test_stock_manager_leaves_the_context_attached_while_idle(stock):
@@ -162,7 +88,7 @@ def test_real_stack_through_the_pth(tmp_path, shimmed_stack, ascend):
     """The real stack has no vllm-ascend: skipped:absent, the manager untouched (the status reason says why). With a
     vllm-ascend dist-info on the path (STAND-IN for an installed vllm-ascend; its runners are not imported here):
     applied, the manager's lifecycle wrapped."""
-    from support.fakes import write_dist_info
+    from omni_patches.testing.releases import write_dist_info
 
     python = shimmed_stack("0.32.0rc1")
     env = {"OMNI_PATCHES": "1", "PATH": "/usr/bin:/bin", "TMPDIR": os.environ["TMPDIR"],

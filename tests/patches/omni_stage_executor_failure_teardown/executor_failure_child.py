@@ -5,7 +5,7 @@ whose ``sys.path`` starts with
 :func:`paths` (``{"stock_wait": seconds, "env": {switch: value}}``; stock, then the shim activated).
 
 The sandbox: the release's real ``vllm_omni/diffusion/stage_diffusion_proc.py``, real pyzmq, a pickle codec for
-omni's msgpack encoder, permissive stand-ins for the rest (``support.omni_sleep_sandbox.auto_sandbox``). The
+omni's msgpack encoder, permissive stand-ins for the rest (``omni_patches.testing.Release``). The
 process object is built with ``__new__`` (its ``__init__`` would build the engine); its engine holds an executor
 that behaves as ``MultiprocDiffusionExecutor``'s worker monitor does when a worker dies (``is_dead`` becomes
 True, then every registered failure callback is called, from the monitor's own thread). ``run_loop`` runs in a
@@ -99,15 +99,14 @@ def scenario(wait_s, dead_before=False):
 PROC_RELPATH = "vllm_omni/diffusion/stage_diffusion_proc.py"
 
 
-def paths(version, **kw):
+def paths(version, metadata_version=None):
     """``sys.path`` entries for a child that imports the real stage_diffusion_proc.py of ``version``."""
-    from support.omni_sleep_sandbox import auto_sandbox
+    from omni_patches.testing import Release
     from support.stage_client_sandbox import PICKLE_CODEC, zmq_dir
 
-    root = auto_sandbox("omni-executor-failure", version, [PROC_RELPATH],
-                        {"vllm_omni/distributed/omni_connectors/utils/serialization.py": PICKLE_CODEC},
-                        passthrough=frozenset({"zmq"}), **kw)
-    return [str(root), str(zmq_dir())]
+    return Release("vllm-omni", version, files=[PROC_RELPATH], auto_standins=True, passthrough=("zmq",),
+                   standins={"vllm_omni.distributed.omni_connectors.utils.serialization": PICKLE_CODEC},
+                   metadata_version=metadata_version, with_=zmq_dir).paths()
 
 
 def main(job):

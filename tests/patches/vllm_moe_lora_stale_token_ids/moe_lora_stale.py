@@ -20,9 +20,9 @@ import textwrap
 from pathlib import Path
 
 from omni_patches.testing import run_code
+from omni_patches.testing.releases import write_dist_info
 
 from support import wheels
-from support.fakes import write_dist_info
 
 ROOT = Path(__file__).resolve().parents[3]
 PATCH_ID = "vllm-moe-lora-stale-token-ids"
