@@ -124,11 +124,15 @@ def pytest_configure(config):
         config._omni_basetemp = config.option.basetemp
 
 
-#: Files whose tests start whole servers or clusters, or many ranks at once: under pytest-xdist (``--dist
-#: loadgroup``) they form one group, run one after another on one worker, never beside each other; every other
-#: test spreads over the workers.
-HEAVY = ("test_serving.py", "test_serving_moe.py", "test_ray_cluster.py", "test_moe_ep.py", "test_moe_ep_numeric.py",
-         "test_executor_failure.py")
+#: Files whose tests start whole servers or clusters, or many ranks at once, by xdist group: under pytest-xdist
+#: (``--dist loadgroup``) a group runs one test after another on one worker; every other test spreads over the
+#: workers. Two groups, started first: together they are the suite's long pole (one of them alone ran ~20 min on
+#: one worker while the other workers ran out of work early), so at most two of these run at once and the second
+#: uses that idle CPU instead of lengthening the first. Split by measured time (warm CI, 2 cores): the servers of
+#: test_serving.py, the EP worlds and the executor-failure stacks (~1,000 s) against the MoE serving tier and the
+#: Ray cluster (~850 s).
+HEAVY = {"test_serving.py": "heavy", "test_moe_ep.py": "heavy", "test_moe_ep_numeric.py": "heavy",
+         "test_executor_failure.py": "heavy", "test_serving_moe.py": "heavy-b", "test_ray_cluster.py": "heavy-b"}
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -166,7 +170,7 @@ def pytest_collection_modifyitems(session, config, items):
     heavy = [i for i in items if i.path.name in HEAVY and i not in last]
     for item in heavy:
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group("heavy"))
+            item.add_marker(pytest.mark.xdist_group(HEAVY[item.path.name]))
     for item in items:
         group = None if item.get_closest_marker("xdist_group") else shared_work_group(item)
         if group:

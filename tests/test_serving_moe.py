@@ -47,9 +47,8 @@ import pytest
 from support import serving
 from support import cpu_moe_standins as moe_standins
 
-# Its own xdist group, started with the heavy one: the heavy group is the suite's long pole (~20 min on one worker)
-# while the other workers run out of work early, so these servers use that idle CPU instead of lengthening it.
-pytestmark = [pytest.mark.serving, pytest.mark.stack, pytest.mark.xdist_group("serving-moe")]
+# xdist group "heavy-b" (tests/conftest.py HEAVY): beside the heavy one, never beside another server of its own.
+pytestmark = [pytest.mark.serving, pytest.mark.stack]
 
 OMNI = serving.HY3_STACK
 PATCH = "moe-ep-parallel-mapping"

@@ -34,7 +34,7 @@ import textwrap
 import types
 from pathlib import Path
 
-from omni_patches.testing import run_code
+from omni_patches.testing import run_code, standins
 from omni_patches.testing.releases import write_dist_info
 
 from . import wheels
@@ -129,11 +129,8 @@ def paths(release: str, *, vllm: str | None = None, metadata_version: str | None
 # inside the child: the CPU stand-ins
 # --------------------------------------------------------------------------------------------------
 def _module(name: str, **attrs) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    mod.__spec__ = importlib.util.spec_from_loader(name, loader=None)
-    mod.__path__ = []
-    mod.__dict__.update(attrs)
-    sys.modules[name] = mod
+    """An exact stand-in (only ``attrs``: vllm-ascend branches on ``hasattr(torch_npu, ...)``) in sys.modules."""
+    sys.modules[name] = mod = standins.module(name, permissive=False, **attrs)
     return mod
 
 

@@ -1,22 +1,16 @@
-"""Fake target packages with *real* dist-info metadata, so version gates run through importlib.metadata."""
+"""Made-up target distributions for the engine's tests (the builder's :func:`~omni_patches.testing.releases.fake`,
+written into a test's own directory), and registry text."""
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
-from omni_patches.testing.releases import write_dist_info
+from omni_patches.testing import releases
 
 
 def make_dist(site: Path, dist: str, version: str, files: dict[str, str]) -> Path:
-    """Write ``files`` (relative path -> source) plus ``<dist>-<version>.dist-info`` into ``site``."""
-    site.mkdir(parents=True, exist_ok=True)
-    for rel, text in files.items():
-        path = site / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    tops = sorted({rel.split("/")[0].removesuffix(".py") for rel in files})
-    write_dist_info(site, dist, version, tops, record=files)
-    return site
+    """``files`` (relative path -> source) of a made-up distribution, with its dist-info, written into ``site``."""
+    modules = {rel.removesuffix(".py").replace("/", ".").removesuffix(".__init__"): text for rel, text in files.items()}
+    return releases.fake(dist, version, modules).write(site)
 
 
 FAKE_LOADER = '''
