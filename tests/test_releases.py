@@ -71,6 +71,25 @@ def test_a_made_up_distribution_is_written_as_is(tmp_path):
     assert "Version: 0.28.0" in (tmp_path / "fake_omni-0.28.0.dist-info" / "METADATA").read_text()
 
 
+def test_the_metadata_claims_only_the_releases_own_packages(tmp_path):
+    """Stand-ins of other distributions beside a release are not the release's: were they in its top_level.txt, the
+    version gates would read its version for theirs (a vllm-omni environment reporting vllm-ascend installed)."""
+    import importlib.metadata as md
+
+    made = fake("fake-omni", "0.28.0", {"fakeomni": "", "fakeomni.loader": "import vllm_ascend.ops\n"},
+                standins={"vllm_ascend.ops": AUTO, "vllm.logger": "def init_logger(name):\n    return None\n"})
+    made.write(tmp_path)
+    info = tmp_path / "fake_omni-0.28.0.dist-info"
+    assert (info / "top_level.txt").read_text().split() == ["fakeomni"]
+    assert (tmp_path / "vllm_ascend" / "ops.py").exists()  # the stand-in is written, only not claimed
+    assert not {"vllm", "vllm_ascend"} & {top for dist in md.distributions(path=[str(tmp_path)])
+                                          for top in (dist.read_text("top_level.txt") or "").split()}
+    # Stand-ins under the distribution's own import name are its own: those it claims.
+    assert Release("vllm-ascend", "0.30.0rc2", real=False, standins={"vllm_ascend.ops": AUTO}).write(
+        tmp_path / "ascend").joinpath("vllm_ascend-0.30.0rc2.dist-info", "top_level.txt").read_text().split() == [
+        "vllm_ascend"]
+
+
 def test_in_process_stand_ins_leave_sys_modules_as_they_were():
     assert "torch_npu" not in sys.modules
     with standins.modules({"torch_npu.npu": {"device_count": lambda: 0}}) as made:

@@ -530,12 +530,12 @@ class Release:
         return real, written, sorted(auto)
 
     def _tops(self, real: dict) -> list:
-        """The top-level packages the dist-info claims: the release's own (its real files, its ``sources``; a
-        distribution of stand-ins only: those too), never the stand-ins of other distributions beside them (vllm-omni
-        claiming ``vllm`` or ``vllm_ascend`` would make the version gates read its version for theirs)."""
+        """The top-level packages the dist-info claims: the release's own (its real files, its ``sources``, stand-ins
+        under its own import name), never the stand-ins of other distributions beside them (vllm-omni claiming
+        ``vllm`` or ``vllm_ascend`` would make the version gates read its version for theirs)."""
+        name = self.dist.replace("-", "_")
         own = {rel.split("/")[0].removesuffix(".py") for rel in real} | {m.split(".")[0] for m in self.sources}
-        if not self.real:
-            own |= {m.split(".")[0] for m in self.standins}
+        own |= {m.split(".")[0] for m in self.standins if m.split(".")[0] == name}
         return sorted(own - {""})
 
     def write(self, dest: Path) -> Path:
