@@ -25,7 +25,7 @@ as a source build, and stand-ins (:mod:`omni_patches.testing.standins`) only for
 Test-only: never imported by a serving process.
 """
 from .contract import KINDS, Case, Env, Unexpected, cache_dir, check, parts, run_code
-from .releases import AUTO, Release, fake
+from .releases import AUTO, VLLM_LOGGER, Release, fake
 
 __all__ = ["Case", "Env", "Unexpected", "check", "parts", "cache_dir", "run_code", "KINDS", "Release", "AUTO",
-           "fake"]
+           "VLLM_LOGGER", "fake"]

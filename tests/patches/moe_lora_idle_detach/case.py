@@ -19,7 +19,7 @@ release until they run in its child (``Release.call``, the contract's ``drive``)
 """
 import functools
 
-from omni_patches.testing import Case, Env, Release, Unexpected
+from omni_patches.testing import VLLM_LOGGER, Case, Env, Release, Unexpected
 
 PATCH_ID = "moe-lora-idle-detach"
 MANAGER = "vllm_omni/diffusion/lora/manager.py"
@@ -274,7 +274,7 @@ MaxLoRARanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 '''
 
 STANDINS = {
-    "vllm.logger": "import logging\ninit_logger = logging.getLogger",
+    "vllm.logger": VLLM_LOGGER,
     # keep it non-"npu": that branch of _select_moe_lora_wrapper_cls imports vllm_ascend's wrapper
     "vllm.platforms": "import types\ncurrent_platform = types.SimpleNamespace(device_type='cuda')",
     "vllm.config.lora": LORA_CONFIG,

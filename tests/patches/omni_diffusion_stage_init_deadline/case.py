@@ -18,7 +18,7 @@ Affected: 0.24.0rc1 (the first with ``StageDiffusionProcManager``) to 0.31.0rc1;
 """
 import time
 
-from omni_patches.testing import Case, Env, Release, Unexpected
+from omni_patches.testing import VLLM_LOGGER, Case, Env, Release, Unexpected
 from support.omni_cases import skipped, source_built
 
 PATCH_ID = "omni-diffusion-stage-init-deadline"
@@ -40,24 +40,7 @@ VLLM_FILES = ["vllm/v1/engine/utils.py", "vllm/v1/utils.py", "vllm/utils/network
 PASS = ("zmq", "msgspec", "psutil", "urllib3", "torch")  # torch: the real one (vllm/v1/utils.py imports it)
 
 VLLM_STANDINS = {
-    "vllm.logger": """
-        import logging
-
-
-        class _Logger(logging.LoggerAdapter):
-            def debug_once(self, msg, *args, **kwargs):
-                self.debug(msg, *args)
-
-            def info_once(self, msg, *args, **kwargs):
-                self.info(msg, *args)
-
-            def warning_once(self, msg, *args, **kwargs):
-                self.warning(msg, *args)
-
-
-        def init_logger(name):
-            return _Logger(logging.getLogger(name), {})
-        """,
+    "vllm.logger": VLLM_LOGGER,
     "vllm.envs": """
         import tempfile
 

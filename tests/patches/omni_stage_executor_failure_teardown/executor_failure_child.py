@@ -13,6 +13,7 @@ thread against a client's bound PUSH/PULL sockets; no request is in flight when 
 Prints ``RESULT {json}``: whether run_loop ended and whether the client got ``DIFFUSION_PROC_DEAD``.
 """
 import asyncio
+import functools
 import tempfile
 import threading
 import time
@@ -99,14 +100,20 @@ def scenario(wait_s, dead_before=False):
 PROC_RELPATH = "vllm_omni/diffusion/stage_diffusion_proc.py"
 
 
-def paths(version, metadata_version=None):
-    """``sys.path`` entries for a child that imports the real stage_diffusion_proc.py of ``version``."""
+@functools.cache
+def release(version, metadata_version=None):
+    """The real stage_diffusion_proc.py of ``version``, a pickle codec for omni's msgpack one, pyzmq beside it."""
     from omni_patches.testing import Release
     from support.stage_client_sandbox import PICKLE_CODEC, zmq_dir
 
     return Release("vllm-omni", version, files=[PROC_RELPATH], auto_standins=True, passthrough=("zmq",),
                    standins={"vllm_omni.distributed.omni_connectors.utils.serialization": PICKLE_CODEC},
-                   metadata_version=metadata_version, with_=zmq_dir).paths()
+                   metadata_version=metadata_version, with_=zmq_dir)
+
+
+def paths(version, metadata_version=None):
+    """``sys.path`` entries for a child that imports the real stage_diffusion_proc.py of ``version``."""
+    return release(version, metadata_version).paths()
 
 
 def main(job):
