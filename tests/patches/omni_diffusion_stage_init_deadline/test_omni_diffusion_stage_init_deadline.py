@@ -45,7 +45,8 @@ def runs():
     for v, res in out.items():  # what was measured (pytest -s)
         if "stock" in res:
             print(f"\n{v}: stock still waiting at {res['stock']['waiting_after_s']}s, patched "
-                  f"{(res['patched']['raised'] or ['returned'])[0]} after {res['patched']['seconds']}s")
+                  f"{(res['patched']['raised'] or ['returned'])[0]} after {res['patched']['seconds']}s; launches "
+                  f"per sample: {[res[k]['attempts'] for k in ('stock', 'patched', 'patched_ready', 'patched_dies')]}")
     return out
 
 
