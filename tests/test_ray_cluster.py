@@ -39,7 +39,7 @@ def _netns_available():
 
 def _reap_session(sid):
     """Safety net: end whatever of the scenario's session is still there (the scenario reaps it itself)."""
-    pids = [p for p in ray_cluster.session_pids(sid) if ray_cluster._running(p)]  # zombies await their reaper
+    pids = [p for p in ray_cluster.session_pids(sid) if ray_cluster.pid_running(p)]  # zombies await their reaper
     left = []
     for pid in pids:
         try:

@@ -363,7 +363,7 @@ def watch_init_hang(server):
             return out
         if launched is not None and now - launched > INIT_HANG_BOUND_S:
             out.update(outcome="neither", stage_alive=[pid for pid in out["stage_pids"]
-                                                   if (st := serving._stat(pid)) and st[3] != "Z"])
+                                                   if (st := serving.proc_stat(pid)) and st[3] != "Z"])
             break
         time.sleep(0.5)
     out["seconds"] = round(now - launched, 1) if launched is not None else None

@@ -372,7 +372,7 @@ def test_run_default_moe_serves_tp2_cfg2_with_ep_and_shows_each_ranks_place(run,
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "moe.png"
     proc = subprocess.run([sys.executable, str(root / "examples" / "run_default.py"), "--moe", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200, env=serving._clean_child_env())
+                          capture_output=True, text=True, timeout=1200, env=serving.clean_child_env())
     text = proc.stdout + proc.stderr
     print("\n" + proc.stdout[-2500:])
     assert proc.returncode == 0, text[-5000:]

@@ -12,6 +12,9 @@ REPO = PACKAGE.parent
 SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 # Code outside the package that uses it: the tests (with their support modules) and the benchmarks.
 USERS = sorted(p for d in ("tests", "bench") for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts)
+# The import roots whose modules' private names are theirs alone: the package, and the test code's own two roots
+# (tests/ is on sys.path: ``support.*`` helpers, ``patches.<id>.*`` cases and environments).
+ROOTS = {"omni_patches": PACKAGE, "support": REPO / "tests" / "support", "patches": REPO / "tests" / "patches"}
 
 
 def _private(name):
@@ -91,17 +94,18 @@ def _package_modules(tree):
 
     def literal(node):
         value = node.value if isinstance(node, ast.Constant) else consts.get(getattr(node, "id", None))
-        return value if isinstance(value, str) and value.split(".")[0] == "omni_patches" else None
+        return value if isinstance(value, str) and value.split(".")[0] in ROOTS else None
 
     out = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "omni_patches":
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in ROOTS:
             for a in node.names:
                 out[a.asname or a.name] = f"{node.module}.{a.name}"
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.split(".")[0] == "omni_patches":
-                    out[a.asname or a.name.partition(".")[0]] = a.name if a.asname else "omni_patches"
+                top = a.name.split(".")[0]
+                if top in ROOTS:
+                    out[a.asname or top] = a.name if a.asname else top
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             value, name = node.value, None
             if isinstance(value, ast.Call) and value.args and isinstance(value.func, ast.Attribute) \
@@ -125,8 +129,9 @@ def outside_reaches(path, source):
     aliases, bad = _package_modules(tree), []
 
     def private_module_file(dotted):  # omni_patches.patches._lora_call names a module, not a private attribute
-        rel = Path(*dotted.split(".")[1:])
-        return (PACKAGE / rel).with_suffix(".py").exists() or (PACKAGE / rel / "__init__.py").exists()
+        top, *rest = dotted.split(".")
+        base = ROOTS[top] / Path(*rest) if rest else ROOTS[top]
+        return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
     def named(node):  # "omni_patches.engine" for `engine`, `omni_patches.engine`, ... (an alias's attributes)
         if isinstance(node, ast.Name):
@@ -137,7 +142,7 @@ def outside_reaches(path, source):
         return None
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "omni_patches":
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in ROOTS:
             bad += [(node.lineno, f"imports {node.module}.{a.name}") for a in node.names
                     if _private(a.name) and not private_module_file(f"{node.module}.{a.name}")]
         elif isinstance(node, ast.Attribute) and _private(node.attr) and named(node.value) \
@@ -152,7 +157,7 @@ def outside_reaches(path, source):
                 and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
             dotted = node.args[0].value
             parts = dotted.split(".")
-            if parts[0] == "omni_patches" and any(_private(p) and not private_module_file(".".join(parts[:i + 1]))
+            if parts[0] in ROOTS and any(_private(p) and not private_module_file(".".join(parts[:i + 1]))
                                                   for i, p in enumerate(parts)):
                 bad.append((node.lineno, f"patches {dotted}"))
     return [f"{where}:{line}: {what}" for line, what in sorted(bad)]
@@ -171,13 +176,15 @@ def test_the_outside_check_finds_what_it_forbids():
            "engine._state\nproof._runs\nmod._x\nother._lock\nlc.FUSED\nlog.get()\n"
            "monkeypatch.setattr(log, '_configured', False)\nmocker.patch.object(engine, 'run')\n"
            "mocker.patch('omni_patches.engine._start')\nmocker.patch('omni_patches.engine.run')\n"
-           "own._private\nimport omni_patches.engine\nomni_patches.engine._lock\n")
+           "own._private\nimport omni_patches.engine\nomni_patches.engine._lock\n"
+           "from support import wheels\nwheels._clean\nfrom patches.x.case import _helper\n")
     path = REPO / "tests" / "example.py"
     assert outside_reaches(path, src) == [
         "tests/example.py:3: imports omni_patches.engine._lock", "tests/example.py:9: engine._state",
         "tests/example.py:10: proof._runs", "tests/example.py:11: mod._x", "tests/example.py:12: other._lock",
         "tests/example.py:15: log._configured", "tests/example.py:17: patches omni_patches.engine._start",
-        "tests/example.py:21: omni_patches.engine._lock"]
+        "tests/example.py:21: omni_patches.engine._lock", "tests/example.py:23: wheels._clean",
+        "tests/example.py:24: imports patches.x.case._helper"]
 
 
 # -- the patches act only through ctx ------------------------------------------------------------------------

@@ -14,7 +14,9 @@ What a :class:`Release` gives, built once and cached under :func:`omni_patches.t
 
 * **real release files** -- ``files`` (paths inside the release) or ``packages`` (whole top-level packages) of the
   wheel of ``dist==version`` (an sdist's top directory where the index has no wheel for this machine: vllm-ascend
-  0.23.0.post1, 0.27.1rc1+). Unpacked by uv without compiled code (``*.so``: nothing here can load it), and every
+  0.23.0.post1, 0.27.1rc1+; ``sdist=True``: the sdist's anyway, where it is the smaller download). A file of another
+  release is named ``"dist==version:path"`` (vLLM's ``envs.py`` beside a vllm-ascend file, in one tree: packages
+  of two sandboxes on ``sys.path`` do not merge). Unpacked by uv without compiled code (``*.so``: nothing here can load it), and every
   identical file of every tree and sandbox hard-linked to one copy;
 * **its metadata** -- a ``<dist>-<version>.dist-info`` (``metadata_version``: another number, e.g. a source build's
   ``0.30.1.dev4+g1a2b3c4d``; ``metadata=False``: none, as ``git archive`` of a tag gives), which the engine's
@@ -460,6 +462,7 @@ class Release:
     metadata_version: str | None = None
     metadata: bool = True
     real: bool = True
+    sdist: bool = False
     with_: tuple = ()
     label: str | None = None
 
@@ -478,21 +481,29 @@ class Release:
 
     # -- what goes into the directory
     def root(self) -> Path:
-        """The release's unpacked files (:func:`release_root`)."""
-        return release_root(self.dist, self.version)
+        """The release's unpacked files (:func:`release_root`; its sdist's with ``sdist=True``)."""
+        return unpacked(self.dist, self.version, sdist=True) if self.sdist else release_root(self.dist, self.version)
+
+    def _foreign(self) -> set:
+        """Top-level names of the files taken from other releases (``"dist==version:path"``): not this one's."""
+        return {rel.split(":", 1)[1].split("/")[0].removesuffix(".py") for rel in self.files if ":" in rel}
 
     def _real(self) -> dict:
         """``{relative path: source path}`` of the real files copied into the sandbox."""
         if not self.real:
             return {}
         root, out = self.root(), {}
-        for i, rel in enumerate(self.files):
+        for rel in self.files:
             optional = rel.endswith("?")  # "path?": copied where the release has it
             rel = rel.rstrip("?")
-            if (root / rel).is_file():
-                out[rel] = root / rel
+            dist, version, where = self.dist, self.version, root
+            if ":" in rel:  # "dist==version:path": a file of another release, into this one's tree
+                (dist, version), rel = rel.split(":", 1)[0].split("=="), rel.split(":", 1)[1]
+                where = release_root(dist, version)
+            if (where / rel).is_file():
+                out[rel] = where / rel
             elif not optional:
-                raise FileNotFoundError(f"{rel} is not in {self.dist}=={self.version}")
+                raise FileNotFoundError(f"{rel} is not in {dist}=={version}")
         for pkg in self.packages:
             top = root / pkg
             if not top.is_dir():
@@ -527,7 +538,7 @@ class Release:
         provided = real_mods | given_mods
         auto -= provided
         packages = _parents(provided | auto)
-        own_tops = {rel.split("/")[0] for rel in real} | {m.split(".")[0] for m in self.sources}
+        own_tops = ({rel.split("/")[0] for rel in real} - self._foreign()) | {m.split(".")[0] for m in self.sources}
         written = {}
         for mod in sorted((auto | packages) - provided):
             is_pkg = mod in packages
@@ -554,8 +565,9 @@ class Release:
         under its own import name), never the stand-ins of other distributions beside them (vllm-omni claiming
         ``vllm`` or ``vllm_ascend`` would make the version gates read its version for theirs)."""
         name = self.dist.replace("-", "_")
-        own = {rel.split("/")[0].removesuffix(".py") for rel in real} | {m.split(".")[0] for m in self.sources}
-        own |= {m.split(".")[0] for m in self.standins if m.split(".")[0] == name}
+        own = {rel.split("/")[0].removesuffix(".py") for rel in real} - self._foreign()
+        own |= {m.split(".")[0] for m in self.sources} | {m.split(".")[0] for m in self.standins
+                                                          if m.split(".")[0] == name}
         return sorted(own - {""})
 
     def write(self, dest: Path) -> Path:

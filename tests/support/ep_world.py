@@ -325,7 +325,7 @@ _HOLLOW = [
 ]
 
 
-class _OmniOverlay(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class OmniOverlay(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, omni_root: Path, stubs: dict | None = None):
         self.root = Path(omni_root)
         self.stubs = dict(_STUBS if stubs is None else stubs)
@@ -352,8 +352,8 @@ class _OmniOverlay(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install_overlay(omni_root: str, vllm_root: str) -> None:
     if vllm_root not in sys.path:
         sys.path.insert(0, vllm_root)
-    if not any(isinstance(f, _OmniOverlay) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OmniOverlay(Path(omni_root)))
+    if not any(isinstance(f, OmniOverlay) for f in sys.meta_path):
+        sys.meta_path.insert(0, OmniOverlay(Path(omni_root)))
 
 
 def _resolve(qualname: str):
@@ -500,7 +500,7 @@ def collect_facts(degrees: dict, pcp_modes=("stock", "from_group")) -> dict:
     return facts
 
 
-def _degrees(params: dict) -> dict:
+def phase_degrees(params: dict) -> dict:
     """Rank-layout degrees of a phase: ``sp`` = ulysses (``sp``) x ring (``ring``); standalone HSDP
     (``fs`` > 1, everything else 1) lays out ``fs`` x ``replicate`` ranks as dp, as omni does."""
     d = {k: int(params.get(k, 1)) for k in ("tp", "sp", "cfg", "dp", "pp")}
@@ -534,7 +534,7 @@ def init_scenario(rank: int, world_size: int, params: dict) -> dict:
     out: dict = {}
     dw.MAP_MOE_VLLM_CONFIG = bool(params.get("worker_maps_moe_config", False))
     worker = dw.DiffusionWorker(rank, make_od_config(world_size, params))
-    d = _degrees(params)
+    d = phase_degrees(params)
     t0 = time.perf_counter()
     try:
         worker.init_device()

@@ -229,7 +229,7 @@ def run_scenario(cluster, name, *, while_serving=None, before_stop=None, **env):
     result["driver_exit"] = result_rc
     # Ray ends the job's workers after the driver: wait until they are gone, so that what is read next is final.
     pids = [w["pid"] for w in result.get("workers", [])]
-    result["workers_ended"] = bool(wait_until(lambda: not any(_running(p) for p in pids), 60))
+    result["workers_ended"] = bool(wait_until(lambda: not any(pid_running(p) for p in pids), 60))
     # vLLM's warning when it replaces a variable a worker already had (Ray forwards worker logs to the driver).
     with open(os.path.join(cluster.work, f"{name}.log"), errors="replace") as fh:
         result["overwrites"] = sorted({line.split("Overwriting environment variable ", 1)[1].strip()
@@ -241,7 +241,7 @@ def kill_worker(result, ip):
     """SIGKILL the instance's worker on ``ip`` (what the OOM killer does): no exit handler of it runs."""
     pid = next(w["pid"] for w in result["workers"] if w["node_ip"] == ip)
     os.kill(pid, signal.SIGKILL)
-    result["killed"] = {"pid": pid, "ended": bool(wait_until(lambda: not _running(pid), 30, 0.2))}
+    result["killed"] = {"pid": pid, "ended": bool(wait_until(lambda: not pid_running(pid), 30, 0.2))}
 
 
 def wait_until(pred, timeout, step=1.0):
@@ -313,7 +313,7 @@ class Reaper:
         self.look()
         killed = set()
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10), (signal.SIGKILL, 5)):
-            pids = [p for p in session_pids(self.sid) if _running(p)]  # again: a dying parent may have spawned
+            pids = [p for p in session_pids(self.sid) if pid_running(p)]  # again: a dying parent may have spawned
             killed.update(pids)
             for pid in pids:
                 try:
@@ -321,7 +321,7 @@ class Reaper:
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(_running(p) for p in pids):
+            while time.monotonic() < deadline and any(pid_running(p) for p in pids):
                 time.sleep(0.2)
         pids = sorted(killed)
         self.pids_seen.update(pids)
@@ -334,7 +334,7 @@ class Reaper:
                 removed.append(path)
             except FileNotFoundError:  # its owner cleaned up after itself
                 pass
-        return {"killed": len(pids), "left": [p for p in pids if _running(p)], "shm_of_run": ours,
+        return {"killed": len(pids), "left": [p for p in pids if pid_running(p)], "shm_of_run": ours,
                 "shm_removed": removed, "shm_left": [p for p in ours if os.path.exists(p)]}
 
 
@@ -348,7 +348,7 @@ def _ours_by_name(name, reaper):
     return bool(m) and int(m.group(1)) in reaper.pids_seen
 
 
-def _running(pid):
+def pid_running(pid):
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rpartition(")")[2].split()[0] != "Z"

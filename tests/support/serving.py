@@ -109,7 +109,7 @@ def serving_python(omni: str) -> Path:
     return _installed[omni]
 
 
-def _clean_child_env() -> dict:
+def clean_child_env() -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("OMNI_PATCHES") and k not in ("PYTHONPATH", "VIRTUAL_ENV",
                                                               "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY")}
@@ -153,7 +153,7 @@ def extras_dir(omni: str) -> Path:
         if subprocess.run([str(python), "-c", "import cffi, pycparser"], capture_output=True).returncode:
             need += ["cffi==2.1.1", "pycparser==3.12"]
         proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *need],
-                              capture_output=True, text=True, env=_clean_child_env())
+                              capture_output=True, text=True, env=clean_child_env())
         if proc.returncode:
             raise RuntimeError(f"installing the serving extras {need} failed:\n{proc.stdout[-3000:]}\n"
                                f"{proc.stderr[-3000:]}")
@@ -274,7 +274,7 @@ def _written_model(omni: str, script: str, name: str, tag: str, env: dict | None
         if not info.exists():
             tmp = dst.with_name(dst.name + ".part")
             shutil.rmtree(tmp, ignore_errors=True)
-            child_env = _clean_child_env()
+            child_env = clean_child_env()
             child_env.update(env or {})
             proc = subprocess.run([str(python), str(SUPPORT / script), str(tmp)], capture_output=True,
                                   text=True, env=child_env, timeout=600)
@@ -299,7 +299,7 @@ def free_port() -> int:
 
 
 # -- /proc helpers (Linux) ------------------------------------------------------------------------------------
-def _stat(pid: int):
+def proc_stat(pid: int):
     """(ppid, pgid, sid, state) of ``pid``, or None."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
@@ -364,7 +364,7 @@ class Server:
     # -- environment ------------------------------------------------------------------------------------------
     def env(self) -> dict:
         python = serving_python(self.omni)
-        env = _clean_child_env()
+        env = clean_child_env()
         env.update({
             "PYTHONPATH": server_path(self.omni),
             "PATH": f"{python.parent}{os.pathsep}{env.get('PATH', '')}",
@@ -484,7 +484,7 @@ class Server:
         if self.proc is None:
             return {}
         root = self.proc.pid
-        stats = {pid: st for pid in _all_pids() if (st := _stat(pid)) is not None}
+        stats = {pid: st for pid in _all_pids() if (st := proc_stat(pid)) is not None}
         members = {pid for pid, st in stats.items() if st[2] == root and st[3] != "Z"}
         changed = True
         while changed:
@@ -537,7 +537,7 @@ class Server:
         return self.stopped
 
     def _live(self) -> list[int]:
-        return [pid for pid in self._seen | set(self.processes()) if (st := _stat(pid)) and st[3] != "Z"]
+        return [pid for pid in self._seen | set(self.processes()) if (st := proc_stat(pid)) and st[3] != "Z"]
 
     def _kill_all(self) -> list[int]:
         killed = []
@@ -551,7 +551,7 @@ class Server:
                     killed.append(pid)
         deadline = time.monotonic() + 10
         while trackers and time.monotonic() < deadline and any(
-                (st := _stat(pid)) and st[3] != "Z" for pid in trackers):
+                (st := proc_stat(pid)) and st[3] != "Z" for pid in trackers):
             time.sleep(0.2)
         for _ in range(3):
             live = self._live()
@@ -600,7 +600,7 @@ def decode_png(omni: str, *pngs: bytes) -> list:
         code = ("import json, sys, numpy as np; from PIL import Image; "
                 "print(json.dumps([np.asarray(Image.open(p).convert('RGB')).tolist() for p in sys.argv[1:]]))")
         proc = subprocess.run([str(stack_python(omni)), "-c", code, *paths], capture_output=True, text=True,
-                              env=_clean_child_env(), timeout=120)
+                              env=clean_child_env(), timeout=120)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])
         return json.loads(proc.stdout)
@@ -612,7 +612,7 @@ def stage_processes(server: Server) -> list[int]:
     leaves the spawn command line)."""
     procs = server.processes()
     return sorted(pid for pid, cmd in procs.items()
-                  if (_stat(pid) or (0,))[0] == server.proc.pid and not any("resource_tracker" in c for c in cmd))
+                  if (proc_stat(pid) or (0,))[0] == server.proc.pid and not any("resource_tracker" in c for c in cmd))
 
 
 def rss_bytes(pids) -> dict[int, int]:

@@ -30,7 +30,7 @@ def _free(lock_name: str) -> bool:
     return atomic.is_free(CACHE, lock_name)
 
 
-def _uv_unused_entries(uv_cache: Path) -> list[Path]:
+def uv_unused_entries(uv_cache: Path) -> list[Path]:
     """Wheel entries of the uv cache whose unpacked archive no venv and no tree links (every file has one link):
     what the stacks do not use any more, or what an older layout of :func:`unpacked` left there."""
     out = []
@@ -88,11 +88,11 @@ def clean_once() -> None:
         for stored in STORE.glob("*/*"):  # content no tree links any more
             if stored.stat().st_nlink == 1:
                 stored.unlink(missing_ok=True)
-        _clean_bytecode()
-        _clean_uv_cache(CACHE / "uv")
+        clean_bytecode()
+        clean_uv_cache(CACHE / "uv")
 
 
-def _clean_bytecode() -> None:
+def clean_bytecode() -> None:
     """Remove bytecode whose source is gone (a temporary directory, a rebuilt venv, a superseded tree)."""
     for top, dirs, files in os.walk(PYCACHE, topdown=False):
         source_dir = "/" + os.path.relpath(top, PYCACHE) if top != str(PYCACHE) else None
@@ -111,7 +111,7 @@ def _clean_bytecode() -> None:
                 pass
 
 
-def _clean_uv_cache(uv_cache: Path) -> None:
+def clean_uv_cache(uv_cache: Path) -> None:
     from .stacks import uv_command, uv_env
 
     lock, stamp = uv_cache / ".lock", CACHE / ".uv-cleaned"
@@ -128,7 +128,7 @@ def _clean_uv_cache(uv_cache: Path) -> None:
     with atomic.held_if_free(lock) as held:
         if not held:
             return  # a uv process is at work in it: next session
-        unused = _uv_unused_entries(uv_cache)
+        unused = uv_unused_entries(uv_cache)
         for link in unused:
             for path in (link, *link.parent.glob(link.name + ".*")):
                 path.unlink(missing_ok=True)

