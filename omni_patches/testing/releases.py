@@ -586,7 +586,12 @@ class Release:
         return dest
 
     def directory(self) -> Path:
-        """The sandbox: built once, cached, hard-linked (never write into it; :meth:`write` makes a copy)."""
+        """The sandbox: built once, cached, hard-linked (never write into it; :meth:`write` makes a copy). The path
+        is kept on this object while the built directory is there: a test that starts many children on one release
+        reads and hashes its real files once, and a sandbox the cache clean-up removed meanwhile is built again."""
+        kept = self.__dict__.get("_directory")
+        if kept is not None and (kept / atomic.COMPLETE).is_file():
+            return kept
         real, written, auto = self._layout()
         digest = hashlib.sha256()
         for rel, src in sorted(real.items()):
@@ -604,7 +609,9 @@ class Release:
             if self.metadata:
                 write_dist_info(tmp, self.dist, self.metadata_version or self.version, self._tops(real))
 
-        return built(self.name.replace("/", "_"), digest.hexdigest(), fill)
+        path = built(self.name.replace("/", "_"), digest.hexdigest(), fill)
+        object.__setattr__(self, "_directory", path)  # frozen: a memo, not a field (no part of equality or hash)
+        return path
 
     def paths(self) -> list[str]:
         """``sys.path`` entries, in order: the sandbox, then each of ``with_``."""
