@@ -14,20 +14,22 @@ What is ours (everything it imports; it needs none of it for the AllGather DP/PC
 * ``get_ascend_config()``: every option off; ``MoEPrepareOutput``: a record of its keyword arguments;
   any other name: an auto-generated stand-in (CamelCase: a permissive class; else a MagicMock).
 
-Two ways to load the file:
+The behaviour of those stand-ins is one table (:func:`overrides`), delivered two ways (``omni_patches.testing``'s
+one stand-in mechanism):
 
-* :func:`load(version)` -- in this process, under the real module name (replacing any previous one);
-* :func:`sandbox_dir(version)` -- a directory for ``sys.path`` with the file at its real path, a
-  ``vllm_ascend-<version>.dist-info`` (the engine's version gate reads it) and a ``vllm_ascend/__init__.py``
-  that installs the stand-ins: ``import vllm_ascend.ops.fused_moe.prepare_finalize`` then works in a fresh
-  interpreter (contract test, engine-activated worlds). tests/ must be on ``sys.path``.
+* :func:`load(version)` -- in this process, under the real module name (replacing any previous one): a
+  ``standins.Finder`` serves the stand-ins from memory (several releases loaded one after another, in the
+  in-process tests and the matrix world);
+* :func:`release(version)` -- the :class:`~omni_patches.testing.Release` for a fresh interpreter (contract test,
+  engine-activated worlds; :func:`sandbox_dir` builds it): the real file at its real path, a
+  ``vllm_ascend-<version>.dist-info`` (the engine's version gate reads it), stand-in files whose source takes the
+  same table. tests/ must be on ``sys.path``.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
-import shutil
 import sys
 import types
 from pathlib import Path
@@ -36,7 +38,7 @@ from unittest.mock import MagicMock
 
 from packaging.version import Version
 
-from omni_patches.testing.releases import write_dist_info
+from omni_patches.testing import Release
 from omni_patches.testing.standins import Finder
 from support import wheels
 
@@ -71,11 +73,15 @@ _SDIST_ONLY = {"0.23.0.post1"}
 _SDIST_ONLY_FROM = Version("0.27.0")
 
 
+def _sdist(version: str) -> bool:
+    v = Version(version)
+    return v < _SDIST_BELOW or v >= _SDIST_ONLY_FROM or version in _SDIST_ONLY
+
+
 @functools.lru_cache(maxsize=None)
 def release_dir(version: str) -> Path:
     """Unpacked real files of ``vllm-ascend==version`` (skips the test when offline, unless CI is set)."""
-    v = Version(version)
-    if v < _SDIST_BELOW or v >= _SDIST_ONLY_FROM or version in _SDIST_ONLY:
+    if _sdist(version):
         return wheels.fetch_or_skip("vllm-ascend", version, sdist=True)
     try:
         return wheels.release_root("vllm-ascend", version)
@@ -148,7 +154,8 @@ def _no_stream(*args: Any, **kwargs: Any):
     yield
 
 
-def _overrides() -> dict[str, dict[str, Any]]:
+def overrides() -> dict[str, dict[str, Any]]:
+    """``{module: {name: value}}``: the behaviour of the stand-ins (see the module docstring)."""
     return {
         "vllm.distributed.parallel_state": {
             "get_dp_group": _group("dp"), "get_pcp_group": _group("pcp"),
@@ -167,7 +174,7 @@ def _overrides() -> dict[str, dict[str, Any]]:
 _ROOTS = ("vllm", "vllm_ascend", "torch_npu")
 
 
-def _ensure_torch_npu() -> None:
+def ensure_torch_npu() -> None:
     import torch
 
     if not hasattr(torch, "npu"):
@@ -179,8 +186,8 @@ def _ensure_torch_npu() -> None:
 def install_finder(root: Path | None = None) -> Finder:
     """Stand-ins for every ``vllm``/``vllm_ascend``/``torch_npu`` module that ``root`` does not hold as a file (once,
     behind the import-hook finders of wrapt / omni_patches), with the behaviour of :func:`_overrides`."""
-    finder = Finder("ascend-finalize", _ROOTS, root, _overrides).add()
-    _ensure_torch_npu()
+    finder = Finder("ascend-finalize", _ROOTS, root, overrides).add()
+    ensure_torch_npu()
     return finder
 
 
@@ -197,32 +204,26 @@ def load(version: str, path: Path | None = None) -> types.ModuleType:
 
 
 # --------------------------------------------------------------------------------------------------
-# sandbox directories (fresh interpreters: contract, engine-activated worlds, audit of an edited copy)
+# release environments (fresh interpreters: contract, engine-activated worlds)
 # --------------------------------------------------------------------------------------------------
-_INIT = '''\
-"""omni-patches test sandbox: torch_npu / vLLM / vllm_ascend stand-ins, then the real prepare_finalize.py."""
-from pathlib import Path
+# The stand-in files: the package runs ensure_torch_npu() (an annotation reads torch.npu.Stream), each module of
+# overrides() takes its entries from there (one table; the objects a test configures live in this module).
+STANDINS = {"vllm_ascend": f"from {__name__} import ensure_torch_npu\n\nensure_torch_npu()\n",
+            **{mod: f"from {__name__} import overrides\n\nglobals().update(overrides()[{mod!r}])\n"
+               for mod in overrides()}}
 
-from patches.ascend_allgather_finalize_order import ascend_finalize as _af
 
-_af.install_finder(Path(__file__).resolve().parent.parent)
-'''
+@functools.lru_cache(maxsize=None)
+def release(version: str, metadata_version: str | None = None) -> Release:
+    """The real ``prepare_finalize.py`` of ``version``; its dist-info says ``metadata_version``."""
+    return Release("vllm-ascend", version, files=[REL], sdist=_sdist(version), auto_standins=True,
+                   passthrough=("torch",), metadata_version=metadata_version, standins=STANDINS)
 
 
 def sandbox_dir(version: str, *, metadata_version: str | None = None) -> Path:
-    """Directory with the real ``prepare_finalize.py`` of ``version``; its dist-info says ``metadata_version``."""
-    meta = metadata_version or version
-    src = real_file(version)
-
-    def fill(tmp: Path) -> None:
-        (tmp / REL).parent.mkdir(parents=True)
-        shutil.copy2(src, tmp / REL)
-        (tmp / "vllm_ascend/__init__.py").write_text(_INIT)
-        (tmp / "vllm_ascend/ops/__init__.py").write_text("")
-        (tmp / "vllm_ascend/ops/fused_moe/__init__.py").write_text("")
-        write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
-
-    return wheels.sandbox(f"ascend-finalize-{version}-as-{meta}", f"{version}|{meta}|{_INIT}", fill)
+    """The built :func:`release` (skips the test when offline, unless CI is set)."""
+    release_dir(version)  # fetched, or skipped
+    return release(version, metadata_version).directory()
 
 
 # --------------------------------------------------------------------------------------------------
