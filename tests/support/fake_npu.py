@@ -84,10 +84,6 @@ def set_broken(flag: bool = True) -> None:
     _broken = bool(flag)
 
 
-def is_installed() -> bool:
-    return _installed
-
-
 def _bump(key: str, n: int = 1) -> None:
     with _lock:
         _counters[key] += n

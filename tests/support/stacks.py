@@ -30,7 +30,6 @@ wiped and rebuilt. The installer's output goes to ``CACHE/venvs/omni-<ver>.log``
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os

@@ -54,14 +54,6 @@ AFFECTED = ["0.13.0rc1", "0.13.0rc2", "0.13.0rc3", "0.13.0", "0.14.0rc1", "0.15.
 FIXED = ["0.24.0rc1", "0.25.1rc1", "0.26.0rc1", "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2"]
 OUT_OF_RANGE = ["0.12.0rc1"]  # same bug, plus a trailing TP all-reduce in the method: not covered
 FIRST_FIXED = "0.24.0rc1"
-# One release per distinct pair of (prepare, finalize) bodies among the affected ones.
-SHAPES = {
-    "0.13.0rc1": "v0.13-v0.15: PCP steps behind prefill_context_parallel_enable(), prepare does not pad for PCP",
-    "0.16.0rc1": "v0.16: as v0.13, prepare pads for PCP (get_forward_context)",
-    "0.18.0": "v0.17-v0.20: as v0.16, prepare reads _EXTRA_CTX",
-    "0.21.0rc1": "v0.21: PCP steps unconditional, no PCP slice in finalize",
-    "0.23.0.post1": "v0.22-v0.23: PCP slice in finalize",
-}
 
 # Below 0.18.0 the sdists (2.5-5 MB; the wheels are 10-27 MB): no other test uses those releases. From 0.18.0
 # on, whatever release_root() picks, shared with the other vllm-ascend tests.

@@ -22,28 +22,18 @@ Modes (``job["mode"]``):
 * ``engine``: ``sys.path`` holds :func:`ascend_finalize.sandbox_dir` of one release; the target is imported,
   run stock, then ``omni_patches.activate()`` (OMNI_PATCHES=1) patches it through the engine, and run again.
 
-Entry point for tests: :func:`run_world`.
+Entry point for tests: :func:`run_world` (on the shared driver, :func:`support.worlds.run_worlds`).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
-import subprocess
 import sys
-import time
-import traceback
 import types
 from pathlib import Path
 
-from support.worlds import free_port, gather, report_and_exit
-
-HERE = Path(__file__).resolve()
-REPO = HERE.parents[3]
-TESTS = REPO / "tests"  # `support`, `patches`: the one import root of the test code
 WORLD = 4
-MARKER = "@@FINALIZEWORLD@@"
 OMNI_FOR_LAYOUT = "0.22.0"  # the vllm-omni whose RankGenerator the EP mapping uses (0.18-0.22: same code)
 VLLM_LAYOUT = {"dp": [[0, 2], [1, 3]], "pcp": [[0, 1], [2, 3]]}  # dp·pcp·tp + pcp·tp + tp, TP1
 LAYOUTS = {"mapping": None, "transposed": {"dp": [[0, 1], [2, 3]], "pcp": [[0, 2], [1, 3]]}}
@@ -68,20 +58,12 @@ SCENARIOS = {
 # --------------------------------------------------------------------------------------------------
 def run_world(job: dict, *, timeout: float = 420, env: dict | None = None) -> list[dict]:
     """Run ``job`` (mode, releases or sandbox, ...) in a fresh driver process; return the 4 ranks' dicts."""
-    job = {**job, "port": free_port(), "sys_path": [str(TESTS), *job.get("sys_path", [])],
-           "rank_timeout": timeout - 20}
-    from support.venvs import without_switches
+    from support import worlds
 
-    full = {k: v for k, v in without_switches(env).items() if not k.startswith("PYTEST_") and k != "PYTHONPATH"}
-    full.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS), "GLOO_SOCKET_IFNAME": "lo",
-                 "MASTER_ADDR": "127.0.0.1"})
-    proc = subprocess.run([sys.executable, str(HERE)], input=json.dumps(job), capture_output=True, text=True,
-                          env=full, timeout=timeout, cwd=str(REPO))
-    for line in proc.stdout.splitlines():
-        if line.startswith(MARKER):
-            return json.loads(line[len(MARKER):])
-    raise RuntimeError(f"finalize world failed rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
-                       f"STDERR:\n{proc.stderr[-6000:]}")
+    world = {"world_size": WORLD, "scenario": f"{__name__}:rank_scenario", "params": job,
+             "prepare": f"{__name__}:with_layouts"}
+    return worlds.run_worlds(job.get("sys_path", []), [world], preload=["torch", "torch.distributed"],
+                             timeout=timeout + 25, grace_after_error=10, env=env)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,59 +91,28 @@ def mapping_layout(omni_root: str) -> dict:
             del sys.modules[name]
 
 
-def _driver() -> None:
-    import multiprocessing as mp
-
-    job = json.loads(sys.stdin.read())
-    for p in job["sys_path"]:
-        if p not in sys.path:
-            sys.path.insert(0, p)
+def with_layouts(job: dict) -> dict:
+    """In the driver, before the ranks: the layouts, the mapping's from omni's own code."""
     layouts = dict(LAYOUTS)
     mapping = mapping_layout(job["omni_root"])
     layouts["mapping"] = {"dp": mapping["dp"], "pcp": mapping["pcp"]}
-    job["layouts"] = layouts
-    job["mapping_facts"] = {**mapping, "equals_vllm_formula": layouts["mapping"] == VLLM_LAYOUT}
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    queue = ctx.Queue()
-    t0 = time.perf_counter()
-    procs = [ctx.Process(target=_rank_main, args=(r, job, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    # a rank that failed leaves its peers waiting in a collective: give them a moment, no more
-    results = gather(procs, queue, job["rank_timeout"], t0=t0, grace_after_error=10)
-    for r in results:
-        r["mapping_facts"] = job["mapping_facts"]
-    print(MARKER + json.dumps(results), flush=True)
+    return {**job, "layouts": layouts,
+            "mapping_facts": {**mapping, "equals_vllm_formula": layouts["mapping"] == VLLM_LAYOUT}}
 
 
 # --------------------------------------------------------------------------------------------------
 # Rank side
 # --------------------------------------------------------------------------------------------------
-def _rank_main(rank: int, job: dict, queue) -> None:
-    out: dict = {"rank": rank}
-    try:
-        for p in reversed(job["sys_path"]):
-            if p not in sys.path:
-                sys.path.insert(0, p)
-        import datetime
+def rank_scenario(rank: int, world_size: int, job: dict) -> dict:
+    import datetime
 
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        os.environ.update({"MASTER_PORT": str(job["port"]), "RANK": str(rank), "WORLD_SIZE": str(WORLD)})
-        # short: a rank stuck in a collective its peers never enter fails the test in seconds, not minutes
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=20))
-        groups = _groups(rank, job["layouts"])
-        t0 = time.perf_counter()
-        if job["mode"] == "matrix":
-            out["results"] = _matrix(rank, job, groups)
-        else:
-            out["results"] = _engine(rank, job, groups)
-        out["scenario_s"] = round(time.perf_counter() - t0, 3)
-    except BaseException as exc:  # report, never hang the parent
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        out["traceback"] = traceback.format_exc()[-4000:]
-    report_and_exit(queue, out)
+    # short: a rank stuck in a collective its peers never enter fails the test in seconds, not minutes
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=20))
+    groups = _groups(rank, job["layouts"])
+    return {"results": (_matrix if job["mode"] == "matrix" else _engine)(rank, job, groups),
+            "mapping_facts": job["mapping_facts"]}
 
 
 def _groups(rank: int, layouts: dict) -> dict:
@@ -351,6 +302,3 @@ def _engine(rank: int, job: dict, all_groups: dict) -> dict:
     out["undone"] = {s: _pipeline(module, SCENARIOS[s], rank, groups) for s in safe}
     return out
 
-
-if __name__ == "__main__":
-    _driver()

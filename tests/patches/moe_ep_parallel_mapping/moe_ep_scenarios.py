@@ -1,16 +1,16 @@
-"""In-rank scenarios for test_moe_ep.py (run by :func:`support.ep_world.run_world`).
+"""In-rank scenarios for test_moe_ep.py (run by :func:`support.ep_world.run_worlds`).
 
 Real in every rank: omni's ``parallel_state.py`` / ``group_coordinator.py`` (see ep_world), vLLM's
 ``parallel_state`` and ``FusedMoEParallelConfig.make`` over gloo, the omni-patches engine and the patch.
 
-Model side (ours around real code): the module ``...hunyuan_image3(_3).hunyuan_image3(_3)_transformer`` is a
-stand-in that holds the REAL ``HunYuanSparseMoeBlock`` class, its source cut out of the wheel's file with
+Model side (ours around real code; the modules are written into the release by ep_sandbox.py and filled here): the
+module ``...hunyuan_image3(_3).hunyuan_image3(_3)_transformer`` is a stand-in that holds the REAL ``HunYuanSparseMoeBlock`` class, its source cut out of the wheel's file with
 ``ast`` and executed next to small fakes (``ReplicatedLinear``, ``HunYuanMLP``, configs) and a
 ``HunyuanFusedMoE`` recorder that computes, like vLLM's ``FusedMoE.__init__``, ``pcp = pcp_size or
 get_pcp_group().world_size`` and the real ``FusedMoEParallelConfig.make``. The real file cannot import
 here (diffusers, torchvision, ...). Likewise ``vllm_omni.platforms.npu.models.hunyuan_fused_moe`` holds the
 REAL ``_init_mc2_group_for_diffusion`` (source from the wheel) with the real vLLM
-``init_model_parallel_group``; ``vllm_ascend.distributed.parallel_state`` is a fake module holding ``_MC2``
+``init_model_parallel_group``; ``vllm_ascend.distributed.parallel_state`` is an in-memory stand-in holding ``_MC2``
 (the real NPU file imports torch_npu/vllm_ascend). The non-NPU ``...hunyuan_fused_moe`` module is the wheel's
 REAL file, imported as is (ep_moe_forward.py drives it). For test_moe_ep_numeric.py
 (``install_model_standins(real_layers=True)``) the transformer stand-in instead holds the real ``HunYuanMLP`` and
@@ -19,14 +19,11 @@ REAL file, imported as is (ep_moe_forward.py drives it). For test_moe_ep_numeric
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import sys
 import time
 import types
-from pathlib import Path
 
 PATCH_ID = "moe-ep-parallel-mapping"
 NPU_MOD = "vllm_omni.platforms.npu.models.hunyuan_fused_moe"
@@ -135,12 +132,18 @@ def fused_moe_module_name(omni_version: str) -> str:
     return transformer_module_name(omni_version).rsplit(".", 1)[0] + ".hunyuan_fused_moe"
 
 
-def _real_source(path: Path, name: str) -> str:
-    text = path.read_text()
-    for node in ast.parse(text).body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
-            return ast.get_source_segment(text, node)
-    raise LookupError(f"{name} not found in {path}")
+def _exec_real(module: types.ModuleType, version: str, real_module: str, names) -> None:
+    """Run the sources of ``names`` (classes, functions), cut out of ``real_module``'s file in the vllm-omni wheel,
+    in ``module``'s namespace."""
+    from omni_patches.testing.releases import real_file
+
+    rel = real_module.replace(".", "/") + ".py"
+    text = real_file("vllm-omni", version, rel).read_text()
+    nodes = {n.name: n for n in ast.parse(text).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    for name in names:
+        if name not in nodes:
+            raise LookupError(f"{name} not found in {rel} of vllm-omni {version}")
+        exec(compile(ast.get_source_segment(text, nodes[name]), f"<real {name} from {rel}>", "exec"), module.__dict__)
 
 
 # Set by install_model_standins(real_layers=True): the transformer stand-in then binds vLLM's real layers, the
@@ -148,7 +151,7 @@ def _real_source(path: Path, name: str) -> str:
 REAL_LAYERS = False
 
 
-def _fill_real_layers(module: types.ModuleType, omni_root: Path) -> None:
+def _fill_real_layers(module: types.ModuleType, version: str) -> None:
     """``HunYuanMLP`` and ``HunYuanSparseMoeBlock`` (sources cut from the wheel) over vLLM's real
     ``ReplicatedLinear`` / ``MergedColumnParallelLinear`` / ``RowParallelLinear`` / ``SiluAndMul`` and the wheel's
     real ``hunyuan_fused_moe.HunyuanFusedMoE`` (-> ``HunyuanFusedMoEDefault`` -> vLLM's ``FusedMoE``)."""
@@ -159,7 +162,7 @@ def _fill_real_layers(module: types.ModuleType, omni_root: Path) -> None:
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
-    fused = importlib.import_module(fused_moe_module_name(module.__omni_version__))
+    fused = importlib.import_module(fused_moe_module_name(version))
 
     class PretrainedConfig:  # annotations only
         pass
@@ -173,14 +176,14 @@ def _fill_real_layers(module: types.ModuleType, omni_root: Path) -> None:
                            QuantizationConfig=QuantizationConfig, ReplicatedLinear=ReplicatedLinear,
                            MergedColumnParallelLinear=MergedColumnParallelLinear, RowParallelLinear=RowParallelLinear,
                            SiluAndMul=SiluAndMul, HunyuanFusedMoE=fused.HunyuanFusedMoE)
-    rel = Path(*transformer_module_name(module.__omni_version__).split(".")).with_suffix(".py")
-    for name in ("HunYuanMLP", "HunYuanSparseMoeBlock"):
-        exec(compile(_real_source(omni_root / rel, name), f"<real {name} from {rel}>", "exec"), module.__dict__)
+    _exec_real(module, version, transformer_module_name(version), ("HunYuanMLP", "HunYuanSparseMoeBlock"))
 
 
-def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
+def _fill_transformer(module: types.ModuleType, version: str) -> None:
+    """The transformer module's stand-in (ep_sandbox.py): the real ``HunYuanSparseMoeBlock`` over fakes and the
+    recorder below, or with :data:`REAL_LAYERS` over vLLM's real layers (:func:`_fill_real_layers`)."""
     if REAL_LAYERS:
-        return _fill_real_layers(module, omni_root)
+        return _fill_real_layers(module, version)
     import torch
     from torch import nn
     from vllm.config import get_current_vllm_config
@@ -228,15 +231,13 @@ def _fill_transformer(module: types.ModuleType, omni_root: Path) -> None:
         def make_expert_params_mapping(cls, *args, **kwargs):
             return []
 
-    rel = Path(*transformer_module_name(module.__omni_version__).split(".")).with_suffix(".py")
-    src = _real_source(omni_root / rel, "HunYuanSparseMoeBlock")
     module.__dict__.update(torch=torch, nn=nn, get_tensor_model_parallel_world_size=get_tensor_model_parallel_world_size,
                            get_current_vllm_config=get_current_vllm_config, PretrainedConfig=PretrainedConfig, QuantizationConfig=QuantizationConfig,
                            ReplicatedLinear=ReplicatedLinear, HunYuanMLP=HunYuanMLP, HunyuanFusedMoE=HunyuanFusedMoE)
-    exec(compile(src, f"<real HunYuanSparseMoeBlock from {rel}>", "exec"), module.__dict__)
+    _exec_real(module, version, transformer_module_name(version), ("HunYuanSparseMoeBlock",))
 
 
-def _fill_npu(module: types.ModuleType, omni_root: Path) -> None:
+def _fill_npu(module: types.ModuleType, version: str) -> None:
     """The real ``_init_mc2_group_for_diffusion`` and ``prepare_hunyuan_fused_moe_runtime`` of the wheel, with
     the names they import bound to the real omni/vLLM objects; the vllm-ascend / CANN parts
     (``_select_moe_comm_method``, ``_MoECommMethods``, forward-context attributes) are inert stand-ins."""
@@ -260,64 +261,27 @@ def _fill_npu(module: types.ModuleType, omni_root: Path) -> None:
         _ensure_forward_context_attr=lambda name, annotation, default: None)
     if hasattr(ops, "get_expert_parallel_group_ranks"):  # 0.24.0
         module.get_expert_parallel_group_ranks = ops.get_expert_parallel_group_ranks
-    rel = Path(*NPU_MOD.split(".")).with_suffix(".py")
-    for name in ("_init_mc2_group_for_diffusion", "prepare_hunyuan_fused_moe_runtime"):
-        exec(compile(_real_source(omni_root / rel, name), f"<real {name} from {rel}>", "exec"), module.__dict__)
-
-
-class _ModelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves the model stand-ins (and empty parent packages) without running the real package inits."""
-
-    def __init__(self, omni_root: Path, omni_version: str):
-        self.root, self.version = Path(omni_root), omni_version
-        tf = transformer_module_name(omni_version)
-        self.fill = {tf: _fill_transformer, NPU_MOD: _fill_npu,
-                     "vllm_ascend.distributed.parallel_state": lambda m, root: m.__dict__.update(_MC2=None)}
-        fm = fused_moe_module_name(omni_version)
-        self.real = {fm: self.root / Path(*fm.split(".")).with_suffix(".py")}
-        self.packages = set()
-        for name in (*self.fill, *self.real):
-            parts = name.split(".")
-            self.packages.update(".".join(parts[:i]) for i in range(1, len(parts)))
-        self.packages -= {"vllm_omni", "vllm_omni.diffusion", "vllm_omni.platforms"}
-
-    def find_spec(self, name, path=None, target=None):
-        if name in self.real:  # the wheel's own file, run as is
-            return importlib.util.spec_from_file_location(name, str(self.real[name]))
-        if name in self.fill:
-            return importlib.machinery.ModuleSpec(name, self, origin=f"moe-ep-standin:{name}")
-        if name in self.packages:
-            return importlib.machinery.ModuleSpec(name, self, origin=f"moe-ep-standin:{name}", is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        name = module.__spec__.name
-        if name in self.fill:
-            module.__omni_version__ = self.version
-            self.fill[name](module, self.root)
-        else:
-            module.__path__ = []
+    _exec_real(module, version, NPU_MOD, ("_init_mc2_group_for_diffusion", "prepare_hunyuan_fused_moe_runtime"))
 
 
 def install_model_standins(omni_version: str, *, real_layers: bool = False) -> None:
-    """Behind wrapt's import-hook finder (so the patch's post-import hooks fire), ahead of the real files.
-    ``real_layers``: the transformer stand-in holds real layers (see :func:`_fill_real_layers`)."""
+    """Before the model modules are imported (their stand-ins, ep_sandbox.py, read this): ``real_layers``, the
+    transformer stand-in holds real layers (:func:`_fill_real_layers`); the platform names the non-NPU MoE layer;
+    ``vllm_ascend.distributed.parallel_state`` (the NPU module's MC2 group, the real one imports torch_npu) is a
+    stand-in holding ``_MC2 = None``."""
     global REAL_LAYERS
-    from support.ep_world import OmniOverlay
+    from omni_patches.testing import standins
 
     REAL_LAYERS = real_layers
-    overlay = next(f for f in sys.meta_path if isinstance(f, OmniOverlay))
-    platforms = sys.modules.get("vllm_omni.platforms")
-    if platforms is None:
-        platforms = importlib.import_module("vllm_omni.platforms")
+    platforms = importlib.import_module("vllm_omni.platforms")
     platforms.current_omni_platform.impl_qualnames = {
         "hunyuan_fused_moe": fused_moe_module_name(omni_version) + ".HunyuanFusedMoEDefault"}
-    if not hasattr(platforms, "__path__"):
-        platforms.__path__ = []  # ep_world's stand-in is a plain module; the NPU module lives below it
-    sys.meta_path.insert(sys.meta_path.index(overlay), _ModelFinder(overlay.root, omni_version))
+    if "vllm_ascend.distributed.parallel_state" not in sys.modules:
+        _ASCEND.enter_context(standins.modules({"vllm_ascend.distributed.parallel_state": {"_MC2": None}},
+                                               permissive=False))
+
+
+_ASCEND = contextlib.ExitStack()  # the vllm-ascend stand-in, for the rank's lifetime
 
 
 def _model_checks(omni_version: str) -> dict:
