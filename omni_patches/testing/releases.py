@@ -86,7 +86,7 @@ def init_logger(name):
     return _Logger(logging.getLogger(name), {})
 """
 #: Changes with the layout :meth:`Release.paths` writes (part of every sandbox's recipe).
-LAYOUT = "release-2"  # 2: the dist-info claims the release's own top-level packages only
+LAYOUT = "release-3"  # 2: the dist-info claims the release's own top-level packages only; 3: namespace dirs kept
 
 
 def keep_bytecode(env: dict) -> dict:
@@ -513,6 +513,14 @@ class Release:
                     out[path.relative_to(root).as_posix()] = path
         return out
 
+    def _namespace_dirs(self) -> list:
+        """Directories of the whole packages taken (``packages``) that hold no ``__init__.py`` in the release."""
+        if not (self.real and self.packages):
+            return []
+        root = self.root()
+        return [d for pkg in self.packages for d in (root / pkg, *(root / pkg).rglob("*"))
+                if d.is_dir() and "__pycache__" not in d.parts and not (d / "__init__.py").is_file()]
+
     def _layout(self) -> tuple[dict, dict, list]:
         """``(real files, written files {rel: text}, auto stand-in module names)``."""
         real = self._real()
@@ -538,9 +546,12 @@ class Release:
         provided = real_mods | given_mods
         auto -= provided
         packages = _parents(provided | auto)
+        # A directory the release ships without an __init__ (inside a whole package taken) stays a namespace
+        # package, as it is upstream: pytest and importlib see the tree as an install of the release would leave it.
+        namespaces = {d.relative_to(self.root()).as_posix().replace("/", ".") for d in self._namespace_dirs()}
         own_tops = ({rel.split("/")[0] for rel in real} - self._foreign()) | {m.split(".")[0] for m in self.sources}
         written = {}
-        for mod in sorted((auto | packages) - provided):
+        for mod in sorted((auto | packages) - provided - namespaces):
             is_pkg = mod in packages
             # An own package that is not copied gets an empty __init__ (the real one imports the world) unless the
             # real files import a name from it that is none of its modules here (``from pkg.sched import
@@ -588,14 +599,20 @@ class Release:
     def directory(self) -> Path:
         """The sandbox: built once, cached, hard-linked (never write into it; :meth:`write` makes a copy). The path
         is kept on this object while the built directory is there: a test that starts many children on one release
-        reads and hashes its real files once, and a sandbox the cache clean-up removed meanwhile is built again."""
+        lays it out once, and a sandbox the cache clean-up removed meanwhile is built again.
+
+        Real files are keyed by their identity on disk (path, inode, size, mtime), not by their bytes: they come from
+        unpacked releases that are built once and never written (:func:`share_files`), so a file with the same
+        identity has the same content, and an unpacked tree built again gives new inodes, hence a new sandbox. A
+        child on a release of 785 real files pays a few ms of ``stat`` calls, not ~0.3 s of reading and hashing."""
         kept = self.__dict__.get("_directory")
         if kept is not None and (kept / atomic.COMPLETE).is_file():
             return kept
         real, written, auto = self._layout()
         digest = hashlib.sha256()
         for rel, src in sorted(real.items()):
-            digest.update(f"{rel}\0{hashlib.sha256(src.read_bytes()).hexdigest()}\0".encode())
+            st = os.stat(src)
+            digest.update(f"{rel}\0{src}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         digest.update(json.dumps([LAYOUT, sorted(written.items()), auto, self.metadata,
                                   self.metadata_version or self.version]).encode())
 

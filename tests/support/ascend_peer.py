@@ -6,25 +6,28 @@ upstream's CPU CI) against the release's ``vllm_ascend`` and the real vLLM of th
 wheel, unpacked; its deps as in :mod:`support.ascend_real`), on the test venv's torch 2.13, with
 ``pytest<9`` (upstream pins it) from a cached ``--target`` directory.
 
-The layout upstream's CI gets from ``pip install -e .``, minus compiling: :func:`tree` copies the sdist's
-``vllm_ascend`` sources, its ``vllm_ascend.egg-info`` (version and entry points: vLLM resolves the Ascend platform
-plugin, as upstream's CPU CI does), ``tests/ut`` and ``pyproject.toml``, and writes ``vllm_ascend/_build_info.py``
-the way the sdist's ``setup.py`` (``gen_build_info``) does for the default SOC (ascend910b1 -> A2).
+The layout upstream's CI gets from ``pip install -e .``, minus compiling: :func:`ut_release` is a release
+environment of the sdist's ``vllm_ascend`` sources, its ``vllm_ascend.egg-info`` (version and entry points: vLLM
+resolves the Ascend platform plugin, as upstream's CPU CI does), ``tests/ut`` (its directories without an
+``__init__`` stay namespace packages) and ``pyproject.toml``, with ``vllm_ascend/_build_info.py`` written the way
+the sdist's ``setup.py`` (``gen_build_info``) does for the default SOC (ascend910b1 -> A2).
 
 :func:`run` runs pytest on some test paths in a fresh interpreter and returns ``{test id: outcome}`` from its
 JUnit XML plus the shim's status of the patch (read by a tiny plugin of ours that writes it at session end).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from omni_patches.testing import Release
 
 from . import ascend_real, wheels
 
@@ -96,20 +99,16 @@ def ut_deps() -> Path:
     return wheels.deps_dir(f"ascend-ut-{hashlib.sha256(' '.join(UT_DEPS).encode()).hexdigest()[:8]}", UT_DEPS)
 
 
-def tree(release: str) -> Path:
-    """The sdist laid out as an editable install would leave it (pure Python), cached."""
-    src = ascend_real.release_dir(release)
+#: What the sdist's ``setup.py`` (``gen_build_info``) writes for the default SOC (ascend910b1 -> A2).
+BUILD_INFO = "# Auto-generated file\n__device_type__ = 'A2'\n"
 
-    def fill(tmp: Path) -> None:
-        skip = shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom")
-        shutil.copytree(src / "vllm_ascend", tmp / "vllm_ascend", ignore=skip)
-        shutil.copytree(src / "vllm_ascend.egg-info", tmp / "vllm_ascend.egg-info")
-        shutil.copytree(src / "tests" / "ut", tmp / "tests" / "ut", ignore=skip)
-        shutil.copy2(src / "tests" / "__init__.py", tmp / "tests" / "__init__.py")
-        shutil.copy2(src / "pyproject.toml", tmp / "pyproject.toml")
-        (tmp / "vllm_ascend" / "_build_info.py").write_text("# Auto-generated file\n__device_type__ = 'A2'\n")
 
-    return wheels.sandbox(f"ascend-ut-{release}", f"{src}|build_info-A2|v1", fill)
+@functools.cache
+def ut_release(version: str) -> Release:
+    """The sdist laid out as an editable install would leave it (pure Python): one release environment."""
+    return Release("vllm-ascend", version, sdist=True, packages=("vllm_ascend", "vllm_ascend.egg-info", "tests/ut"),
+                   files=("tests/__init__.py", "pyproject.toml"), sources={"vllm_ascend._build_info": BUILD_INFO},
+                   metadata=False, label=f"ascend-ut-{version}")
 
 
 def run(release: str, *, shim: bool, paths: list[str] | None = None, timeout: int = 1800) -> dict:
@@ -121,7 +120,7 @@ def run(release: str, *, shim: bool, paths: list[str] | None = None, timeout: in
     """
     import time
 
-    root = tree(release)
+    root = ut_release(release).directory()
     vllm = ascend_real.RELEASES[release]
     deps = [str(ut_deps()), str(root), str(ascend_real.vllm_root(release, vllm)), str(ascend_real.base_deps()),
             str(ascend_real.extra_deps())]

@@ -12,11 +12,11 @@ dtype constants real code reads at import), ``torch.npu`` a MagicMock with a str
 ``torch.version.cann = None``, and ``vllm_ascend._build_info`` (``__device_type__ = "A2"``) where the release
 (an sdist) does not ship one. Compiled Ascend libraries (``*.so``) are left out: they cannot load here.
 
-Layout on disk (cached under ``support.wheels.CACHE``): :func:`sandbox` is a directory with a copy of the
-release's ``vllm_ascend`` sources (so a contract case can edit one file), a ``vllm_ascend-<ver>.dist-info``
-(the engine's gate reads it), and ``vllm_ascend/__init__.py`` replaced by a bootstrap that installs the stubs
-and then executes the release's real ``__init__.py`` from the unpacked release. :func:`paths` adds vLLM and the
-deps; :func:`run` runs code in an interpreter of its own on them (tests/ and the repository root first on ``sys.path``).
+The environment is one :class:`~omni_patches.testing.Release` (:func:`release`): the release's ``vllm_ascend``
+package hard-linked from the unpacked release, a ``vllm_ascend-<ver>.dist-info`` (the engine's gate reads it), and
+a prelude in ``vllm_ascend/__init__.py`` that installs the stubs before the release's real ``__init__.py`` runs;
+then vLLM and the deps. :func:`paths` gives its ``sys.path`` entries; :func:`run` runs code in an interpreter of
+its own on them (tests/ and the repository root first on ``sys.path``).
 
     out = run("0.30.0rc2", "import vllm_ascend.ops.fused_moe.routed_experts as m; print('RESULT 1')")
 
@@ -24,18 +24,18 @@ Importing ``vllm_ascend.ops.fused_moe.fused_moe`` this way takes 4-8 s per relea
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import textwrap
 import types
 from pathlib import Path
 
 from omni_patches.testing import run_code, standins
-from omni_patches.testing.releases import write_dist_info
+from omni_patches.testing.releases import Release
 
 from . import wheels
 
@@ -74,13 +74,11 @@ EXTRA_DEPS = [
     "llguidance==1.9.1",
 ]
 
-_BOOT = '''\
-"""omni-patches test sandbox: CPU stand-ins for torch_npu / CANN (as vllm-ascend's tests/ut/conftest.py does),
-then the release's real vllm_ascend/__init__.py (executed from the unpacked release, not copied)."""
-from support import ascend_real as _ar
+#: What the release environment runs before the real ``vllm_ascend/__init__.py`` (a prelude of the ``Release``).
+PRELUDE = """from support import ascend_real as _ar
 
-_ar.boot(globals(), {real_init!r})
-'''
+_ar.boot(globals())
+"""
 
 
 def release_dir(release: str) -> Path:
@@ -104,25 +102,20 @@ def extra_deps() -> Path:
     return wheels.deps_dir(f"ascend-real-{hashlib.sha256(' '.join(EXTRA_DEPS).encode()).hexdigest()[:8]}", EXTRA_DEPS)
 
 
-def sandbox(release: str, *, metadata_version: str | None = None) -> Path:
-    """Directory for ``sys.path``: the release's ``vllm_ascend`` sources, its dist-info, the bootstrap."""
-    meta = metadata_version or release
-    src = release_dir(release) / "vllm_ascend"
-
-    def fill(tmp: Path) -> None:
-        shutil.copytree(src, tmp / "vllm_ascend",
-                        ignore=shutil.ignore_patterns("*.so", "*.so.*", "__pycache__", "_cann_ops_custom"))
-        (tmp / "vllm_ascend" / "__init__.py").write_text(_BOOT.format(real_init=str(src / "__init__.py")))
-        write_dist_info(tmp, "vllm-ascend", meta, "vllm_ascend")
-
-    return wheels.sandbox(f"ascend-real-{release}-as-{meta}", f"{src}|{meta}|{_BOOT}", fill)
+@functools.cache
+def release(version: str, *, vllm: str | None = None, metadata_version: str | None = None) -> Release:
+    """The release environment: the release's whole ``vllm_ascend`` package (hard-linked from the unpacked release;
+    a contract case edits a copy, ``Env.edited``), its dist-info saying ``metadata_version``, :data:`PRELUDE`
+    before its real ``__init__``; then the vLLM it was built for and the deps."""
+    vllm = vllm or PAIRS[version]
+    return Release("vllm-ascend", version, packages=("vllm_ascend",), preludes={"vllm_ascend": PRELUDE},
+                   metadata_version=metadata_version, label=f"ascend-real-{version}",
+                   with_=(lambda: vllm_root(version, vllm), base_deps, extra_deps))
 
 
-def paths(release: str, *, vllm: str | None = None, metadata_version: str | None = None) -> list[str]:
+def paths(version: str, *, vllm: str | None = None, metadata_version: str | None = None) -> list[str]:
     """``sys.path`` entries (in order) that make the release and its vLLM importable."""
-    vllm = vllm or PAIRS[release]
-    return [str(sandbox(release, metadata_version=metadata_version)), str(vllm_root(release, vllm)),
-            str(base_deps()), str(extra_deps())]
+    return release(version, vllm=vllm, metadata_version=metadata_version).paths()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,15 +207,12 @@ def disable_pinned_memory() -> None:
             func.__defaults__ = tuple(defaults)
 
 
-def boot(pkg_globals: dict, real_init: str) -> None:
-    """Run by the sandbox's ``vllm_ascend/__init__.py``: stubs, then the release's own ``__init__``."""
+def boot(pkg_globals: dict) -> None:
+    """Run by the environment's ``vllm_ascend/__init__.py`` (:data:`PRELUDE`) before the release's own code."""
     install_cpu_stubs(Path(pkg_globals["__file__"]).parent)
     if sys.pycache_prefix is None:  # contract children start without child_env: keep vLLM's bytecode anyway
         sys.pycache_prefix, sys.dont_write_bytecode = str(wheels.PYCACHE), False
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    with open(real_init) as fh:
-        code = compile(fh.read(), real_init, "exec")
-    exec(code, pkg_globals)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ dispatch per platform with no CPU branch (``diffusion/attention/backends/abstrac
 * its diffusion attention backend is ``serving_cpu_attention.CpuSDPABackend``: vllm-omni's own ``SDPABackend``
   whose ``forward`` runs the backend's torch SDPA path on CPU.
 
+In every server, bf16 / fp16 convolutions compute in fp32 and round back (``_half_convolutions_in_fp32``: a CPU
+without native bf16 runs them 16-100x slower, which made the tiers' servers CPU-bound on their VAEs).
+
 One test-support switch, for the serving tier's start-up deadline case: with ``OMNI_SERVING_TEST_STAGE_INIT_HANG=1``
 in a server's environment, a diffusion stage process (the spawned ``StageDiffusionProc``) blocks for good while
 it starts, at its import of this platform -- before its handshake's READY, as a stage stuck in a model download or
@@ -122,6 +125,43 @@ def _group_norm_in_parameter_dtype() -> None:
 
 
 _group_norm_in_parameter_dtype()
+
+
+def _half_convolutions_in_fp32() -> None:
+    """TEST SUPPORT: a bf16 / fp16 convolution (``Conv1d/2d/3d``, the tiny models' VAEs) computes in fp32 and rounds
+    its result to the half dtype, as an accelerator's kernels accumulate in fp32.
+
+    On a CPU without native bf16 (AVX2 only; measured on an AMD EPYC, torch 2.13) a bf16 ``Conv2d`` of 32 channels
+    at 64x64 takes ~100x its fp32 time and a ``Conv3d`` 16-30x: the served VAEs made the serving tiers' servers
+    CPU-bound on their decode (a CPU with AMX does not notice). Stock and shim servers get the same switch, so
+    the tiers' pixel comparisons are unchanged; under autocast the half dtype is autocast's. Anything else (fp32,
+    mixed dtypes stock refuses, another device): the real forward, untouched."""
+    half = (torch.bfloat16, torch.float16)
+    for cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+        real = cls._conv_forward
+        if getattr(real, "_omni_test_fp32_half", False):
+            continue
+
+        def _conv_forward(self, input, weight, bias, _real=real):
+            if input.device.type != "cpu":
+                return _real(self, input, weight, bias)
+            if torch.is_autocast_enabled("cpu"):
+                dtype = torch.get_autocast_dtype("cpu")
+            elif input.dtype == weight.dtype and (bias is None or bias.dtype == input.dtype):
+                dtype = input.dtype
+            else:
+                dtype = None
+            if dtype not in half:
+                return _real(self, input, weight, bias)
+            with torch.autocast("cpu", enabled=False):
+                out = _real(self, input.float(), weight.float(), None if bias is None else bias.float())
+            return out.to(dtype)
+
+        _conv_forward._omni_test_fp32_half = True
+        cls._conv_forward = _conv_forward
+
+
+_half_convolutions_in_fp32()
 
 
 def _rss(cls=None, device=None) -> float:

@@ -17,6 +17,7 @@ from omni_patches.testing.releases import (  # noqa: F401 - the builder's fetchi
     CACHE, COMPILED, FILTER, PYCACHE, SDIST_SKIP, STORE, built as sandbox, deps as deps_dir, download, keep_bytecode,
     locked, real_file, release_root, unpacked)
 from omni_patches.testing import releases
+from omni_patches.testing.releases import Release
 
 
 #: Set (to the cleaning process's pid) once a process has run :func:`clean_once`; the processes it starts inherit
@@ -139,17 +140,13 @@ def clean_uv_cache(uv_cache: Path) -> None:
 
 def tagless(dest: Path, dist: str, version: str, package: str, *edits: tuple[str, str, str]) -> Path:
     """What ``git archive <tag>`` gives for ``package`` of a release: its files without metadata, compiled code or
-    tags, as ``dest/<package>-<version>/<package>`` (returned: its parent, a ``--source`` root). Hard links to the
-    cached release; ``edits`` -- ``(path under the package, old, new)`` -- replace their file, never writing
-    through a link into the cache."""
-    co = dest / f"{package}-{version}"
-    shutil.copytree(release_root(dist, version) / package, co / package, copy_function=atomic.link_or_copy,
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    tags, as ``dest/<package>-<version>/<package>`` (returned: its parent, a ``--source`` root). A plain copy
+    (``Release.write``), so ``edits`` -- ``(path under the package, old, new)`` -- change it in place."""
+    co = Release(dist, version, packages=(package,), metadata=False).write(dest / f"{package}-{version}")
     for rel, old, new in edits:
         path = co / package / rel
         text = path.read_text()
         assert old in text, (rel, old)
-        path.unlink()
         path.write_text(text.replace(old, new))
     return co
 

@@ -14,10 +14,6 @@ def _env(version, metadata_version=None):
     return Env(label, lambda: _in_child(version, metadata_version=metadata_version), imports=IMPORTS)
 
 
-def _edited(label, version, rel, old, new):
-    return Env(label, lambda: _in_child(version, root=ms.edited(version, rel, old, new)), imports=IMPORTS)
-
-
 def _in_child(version, **kw):
     ms.torch_compat()  # runs in the contract's child, before the target is imported
     return ms.paths(version, **kw)
@@ -48,10 +44,10 @@ CASE = Case(
         (_env("0.24.0", "0.23.1.dev5+g0123abcd"), "skipped:version", "already skips a batch without LoRA tokens"),
     ],
     drifted=[
-        (_edited("vllm-0.23.0-meta-flag-renamed", "0.23.0", "vllm/lora/ops/triton_ops/lora_kernel_metadata.py",
-                 "no_lora_flag_cpu", "no_lora_cpu"), "no no_lora_flag_cpu"),
-        (_edited("vllm-0.23.0-method-renamed", "0.23.0", "vllm/lora/punica_wrapper/punica_gpu.py",
-                 "def add_lora_fused_moe(", "def add_fused_moe_lora("), "no longer defines add_lora_fused_moe"),
+        (Env.edited("vllm-0.23.0-meta-flag-renamed", _env("0.23.0"), "vllm/lora/ops/triton_ops/lora_kernel_metadata.py",
+                    "no_lora_flag_cpu", "no_lora_cpu"), "no no_lora_flag_cpu"),
+        (Env.edited("vllm-0.23.0-method-renamed", _env("0.23.0"), "vllm/lora/punica_wrapper/punica_gpu.py",
+                    "def add_lora_fused_moe(", "def add_fused_moe_lora("), "no longer defines add_lora_fused_moe"),
     ],
     unexpected=[Unexpected(_env("0.23.0"), _drive_no_metadata,
                            note="no one-element host no_lora_flag_cpu on token_mapping_meta")],

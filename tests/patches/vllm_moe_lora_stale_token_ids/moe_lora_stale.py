@@ -53,29 +53,10 @@ def metadata_dir(version: str) -> Path:
                                                                                            "vllm"))
 
 
-def edited(version: str, rel: str, old: str, new: str) -> Path:
-    """The release's ``vllm`` package without its compiled parts, one file edited: the upstream code drifted."""
-
-    def fill(tmp: Path) -> None:
-        import shutil
-
-        src = _fetch(version)
-        shutil.copytree(src / "vllm", tmp / "vllm", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-        for info in src.glob("*.dist-info"):
-            shutil.copytree(info, tmp / info.name)
-        target = tmp / rel
-        text = target.read_text()
-        if old not in text:
-            raise AssertionError(f"{rel}: {old!r} not found in vLLM {version}: the drift edit is stale")
-        target.write_text(text.replace(old, new))
-
-    return wheels.sandbox(f"vllm-{version}-edited", f"{version}|{rel}|{old}|{new}", fill)
-
-
-def paths(version: str, *, metadata_version: str | None = None, root: Path | None = None) -> list[str]:
+def paths(version: str, *, metadata_version: str | None = None) -> list[str]:
     """``sys.path`` entries (in order) that make vLLM ``version`` importable on this machine."""
     first = [metadata_dir(metadata_version)] if metadata_version else []
-    return [str(p) for p in (*first, root or _fetch(version), *deps(version))]
+    return [str(p) for p in (*first, _fetch(version), *deps(version))]
 
 
 def child_env(version: str, **kw) -> dict:
