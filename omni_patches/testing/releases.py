@@ -42,7 +42,6 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 import os
@@ -513,14 +512,6 @@ class Release:
                     out[path.relative_to(root).as_posix()] = path
         return out
 
-    def _namespace_dirs(self) -> list:
-        """Directories of the whole packages taken (``packages``) that hold no ``__init__.py`` in the release."""
-        if not (self.real and self.packages):
-            return []
-        root = self.root()
-        return [d for pkg in self.packages for d in (root / pkg, *(root / pkg).rglob("*"))
-                if d.is_dir() and "__pycache__" not in d.parts and not (d / "__init__.py").is_file()]
-
     def _layout(self) -> tuple[dict, dict, list]:
         """``(real files, written files {rel: text}, auto stand-in module names)``."""
         real = self._real()
@@ -548,7 +539,9 @@ class Release:
         packages = _parents(provided | auto)
         # A directory the release ships without an __init__ (inside a whole package taken) stays a namespace
         # package, as it is upstream: pytest and importlib see the tree as an install of the release would leave it.
-        namespaces = {d.relative_to(self.root()).as_posix().replace("/", ".") for d in self._namespace_dirs()}
+        taken = tuple(p.rstrip("/") + "/" for p in self.packages)
+        namespaces = {mod for mod in packages if (mod.replace(".", "/") + "/").startswith(taken)
+                      and mod.replace(".", "/") + "/__init__.py" not in real}
         own_tops = ({rel.split("/")[0] for rel in real} - self._foreign()) | {m.split(".")[0] for m in self.sources}
         written = {}
         for mod in sorted((auto | packages) - provided - namespaces):
