@@ -25,6 +25,8 @@ def test_bench_run_quick_prints_the_summary_table():
     # one over-floor row per call path (no context / LoRA batch / idle adapter); the capped-CPU LoRA row only
     # where this CPU has native bf16 to cap
     assert sum("over a do-nothing forwarder" in m for m in measures) == 3, summary
+    # one row per convolution shape of bench/conv_dtype.py's quick run (the two smaller ones)
+    assert sum(m.startswith("bf16 Conv") and m.endswith("native / fp32-rounded time") for m in measures) == 2, summary
 
 
 BURN_CODE = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.0: pass"

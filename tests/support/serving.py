@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 from .stacks import install_project, stack_python
@@ -360,6 +362,7 @@ class Server:
         self.started_at = self.healthy_after = None
         self._seen: set[int] = set()
         self._shm: set[str] = set()
+        self.failed_starts: list[dict] = []  # start-ups that exited before healthy and were retried (wait_healthy)
 
     # -- environment ------------------------------------------------------------------------------------------
     def env(self) -> dict:
@@ -429,13 +432,22 @@ class Server:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_healthy(self, timeout: float = 600) -> float:
+    def wait_healthy(self, timeout: float = 600, *, restart_once: bool = True) -> float:
+        """Seconds from the start until ``/health`` answers 200. A server that exits first is started again once
+        (``restart_once``) where the first error in its log has no omni_patches frame -- a start-up that a loaded
+        2-core machine broke, not the shim: the retry is warned about and kept in ``failed_starts`` -- and
+        otherwise raises :class:`ServerFailed`, the log's first error (its root cause) at the end of the message."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.processes()  # remember every pid and shm file while they live
             if self.proc.poll() is not None:
+                cause = first_error(self.log_text())
+                if restart_once and not self.failed_starts and "omni_patches" not in cause:
+                    self._restart(cause)
+                    deadline = time.monotonic() + timeout
+                    continue
                 raise ServerFailed(f"server {self.name} exited with {self.proc.returncode} before it was healthy:\n"
-                                   f"{self.log_tail()}")
+                                   f"{self.log_tail()}\n--- the first error in {self.log_path} ---\n{cause}")
             try:
                 with urllib.request.urlopen(self.url("/health"), timeout=5) as resp:
                     if resp.status == 200:
@@ -445,7 +457,20 @@ class Server:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1)
-        raise ServerFailed(f"server {self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        raise ServerFailed(f"server {self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}\n"
+                           f"--- the first error in {self.log_path} ---\n{first_error(self.log_text())}")
+
+    def _restart(self, cause: str) -> None:
+        """Start again after an exit before healthy: what is left of the first try killed, its log kept beside."""
+        returncode = self.proc.returncode
+        self._kill_all()
+        self._log.close()
+        kept = self.log_path.with_name(f"{self.log_path.stem}.failed-start-{len(self.failed_starts) + 1}.log")
+        self.log_path.replace(kept)
+        self.failed_starts.append({"returncode": returncode, "cause": cause, "log": str(kept)})
+        warnings.warn(f"server {self.name} exited with {returncode} before it was healthy; started again once. "
+                      f"The first error in its log ({kept}):\n{cause}", RuntimeWarning, stacklevel=3)
+        self.start()
 
     def image(self, prompt: str = "a red cat sits on the mat", *, size: str = "64x64", steps: int = 2, seed: int = 0,
               lora: dict | None = None, timeout: float = 300, guidance_scale: float = 1.0) -> bytes:
@@ -573,6 +598,28 @@ class Server:
             return json.loads(proc.stdout)["processes"]
         except (ValueError, KeyError) as exc:
             raise AssertionError(f"status --all-processes: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}") from exc
+
+
+_TRACEBACK = "Traceback (most recent call last)"
+# vLLM's per-process prefix ("(APIServer pid=7) ", coloured on a terminal) before a line of a child's output.
+_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)?\([\w:-]+ pid=\d+\)(\x1b\[[0-9;]*m)? ?")
+_ERROR_LINE = re.compile(r"\bERROR\b|\bKilled\b|Segmentation fault|core dumped|Aborted")
+
+
+def first_error(log: str, limit: int = 60) -> str:
+    """The first error of a server log (the root cause a later "see root cause above" points to): its first
+    traceback up to its exception line (the first line after it that is not indented once the process prefix is
+    off), or else its first error-level lines; ``"<no error in the log>"``."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if _TRACEBACK in line), None)
+    if start is not None:
+        for end in range(start + 1, min(len(lines), start + limit)):
+            body = _PREFIX.sub("", lines[end])
+            if body.strip() and not body[0].isspace():
+                return "\n".join(lines[start:end + 1])
+        return "\n".join(lines[start:start + limit])
+    errors = [line for line in lines if _ERROR_LINE.search(line)]
+    return "\n".join(errors[:20]) or "<no error in the log>"
 
 
 def start_all(servers, timeout: float = 600):
