@@ -160,6 +160,43 @@ def test_in_process_stand_ins_leave_sys_modules_as_they_were():
     assert "torch_npu" not in sys.modules and "torch_npu.npu" not in sys.modules
 
 
+PUT_IN_A_CHILD = """
+import json, sys
+from omni_patches.testing import standins
+made = standins.put({"torch_npu": {"flag": 1}}, permissive=False)
+made.update(standins.put({"torch_npu.npu": {"device_count": lambda: 0}, "json.extra": {}}))
+standins.put({"notinstalled_pkg.runtime": {}}, parents=False)
+import torch_npu, json as real_json
+try:
+    import notinstalled_pkg.runtime
+    parent_import = "imported"
+except ModuleNotFoundError:
+    parent_import = "fails"
+print(json.dumps({
+    "made": sorted(made), "exact": hasattr(torch_npu, "anything") is False and torch_npu.flag == 1,
+    "child_on_parent": torch_npu.npu is sys.modules["torch_npu.npu"] and torch_npu.npu.device_count() == 0,
+    "permissive_child": callable(torch_npu.npu.synchronize),
+    "real_parent_kept": real_json is sys.modules["json"] and hasattr(real_json, "dumps")
+                        and real_json.extra is sys.modules["json.extra"],
+    "lone_child": "notinstalled_pkg.runtime" in sys.modules and "notinstalled_pkg" not in sys.modules,
+    "parent_import": parent_import}))
+"""
+
+
+def test_stand_ins_put_into_a_child_for_its_lifetime():
+    """``standins.put``: a child's stand-ins for the rest of its life (what the vllm-ascend release environments
+    install before the release's ``__init__``): exact or permissive, each set on its parent, a real parent kept, and
+    ``parents=False`` a dotted name alone, so its package that is not installed still fails to import."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", PUT_IN_A_CHILD], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {
+        "made": ["json.extra", "torch_npu", "torch_npu.npu"], "exact": True, "child_on_parent": True,
+        "permissive_child": True, "real_parent_kept": True, "lone_child": True, "parent_import": "fails"}
+
+
 def test_call_needs_a_module_level_function(omni):
     with pytest.raises(ValueError, match="module-level function"):
         omni.call(lambda: 1)

@@ -8,9 +8,9 @@ stand-in's source defines it. Where they come from:
 
 * on disk, written by :class:`omni_patches.testing.releases.Release` (``standins=`` / ``auto_standins=``): each file
   calls :func:`install` on its own module;
-* in memory, for a test that needs one in its own process: :func:`modules` puts stand-ins into ``sys.modules``
-  (and takes them out again); :class:`Finder` serves one for every module under given top-level names that a
-  directory does not hold as a file.
+* in memory: :func:`modules` puts stand-ins into a test's own process for a block (and takes them out again),
+  :func:`put` into a child's for the rest of its life; :class:`Finder` serves one for every module under given
+  top-level names that a directory does not hold as a file.
 """
 from __future__ import annotations
 
@@ -89,22 +89,31 @@ def module(name: str, *, permissive: bool = True, **attrs) -> types.ModuleType:
     return mod
 
 
+def put(spec: dict, *, permissive: bool = True, parents: bool = True) -> dict:
+    """Stand-ins for ``spec``'s names (``{"torch_npu": {...attrs}, "torch.npu": {}}``) in ``sys.modules`` for the
+    rest of the process -- a child that runs code on a release -- and ``{name: module}`` of those made: a parent
+    package is made for each dotted name that has none (a real one stays), each child is set on its parent.
+    ``permissive=False``: modules holding exactly their ``attrs``. ``parents=False``: no parent is made, so a
+    package that is not installed still fails to import (vllm-ascend's conftest puts ``triton.runtime`` alone).
+    In a test's own process use :func:`modules`."""
+    made = {}
+    for name in sorted(_with_parents(spec) if parents else spec, key=lambda n: n.count(".")):
+        if sys.modules.get(name) is not None and name not in spec:
+            continue  # a real parent package stays
+        made[name] = sys.modules[name] = module(name, permissive=permissive, **spec.get(name, {}))
+        parent, _, leaf = name.rpartition(".")
+        if sys.modules.get(parent) is not None:
+            setattr(sys.modules[parent], leaf, made[name])
+    return made
+
+
 @contextlib.contextmanager
 def modules(spec: dict, *, permissive: bool = True):
-    """``with modules({"torch_npu": {...attrs}, "vllm.logger": {}}) as mods:`` -- stand-ins in ``sys.modules`` for
-    the block (a parent package is made for each dotted name that has none; each child is set on its parent), and
-    ``sys.modules`` as it was afterwards. ``permissive=False``: modules holding exactly their ``attrs``."""
+    """``with modules({"torch_npu": {...attrs}, "vllm.logger": {}}) as mods:`` -- :func:`put` for the block, and
+    ``sys.modules`` as it was afterwards."""
     before = {name: sys.modules.get(name) for name in _with_parents(spec)}
-    made = {}
     try:
-        for name in sorted(before, key=lambda n: n.count(".")):
-            if before[name] is not None and name not in spec:
-                continue  # a real parent package stays
-            made[name] = sys.modules[name] = module(name, permissive=permissive, **spec.get(name, {}))
-            parent, _, leaf = name.rpartition(".")
-            if parent:
-                setattr(sys.modules[parent], leaf, made[name])
-        yield made
+        yield put(spec, permissive=permissive)
     finally:
         for name, old in before.items():
             if old is None:

