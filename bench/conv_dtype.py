@@ -23,25 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from omni_patches.patches import _lora_cpu_kernels as K  # noqa: E402  (the CPU's bf16 capability, as lora_fusion.py)
 
 SHAPES = {  # name -> (module class, channels, spatial size)
     "Conv2d 32ch 64x64": (torch.nn.Conv2d, 32, (64, 64)),
     "Conv3d 32ch 4x32x32": (torch.nn.Conv3d, 32, (4, 32, 32)),
     "Conv3d 16ch 4x64x64": (torch.nn.Conv3d, 16, (4, 64, 64)),
 }
-
-
-def native_bf16_cpu() -> bool:
-    """Whether this CPU has bf16 instructions (the flags oneDNN's bf16 kernels use)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((ln for ln in fh if ln.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def fp32_rounded(conv, x):
@@ -90,13 +85,11 @@ def main():
     args = ap.parse_args()
     rounds, reps = (1, 1) if args.quick else (7, 3)
     shapes = dict(list(SHAPES.items())[:2]) if args.quick else SHAPES
-    native = native_bf16_cpu()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {'yes' if native else 'no'}; "
-          f"median of {rounds} rounds x {reps}")
+    native, why = K.capability("bf16")  # the patch's own answer: cpuinfo flags, oneDNN's cap, mkldnn on
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {why}; median of {rounds} rounds x {reps}")
     print(f"{'shape':<22} {'bf16 native':>12} {'fp32':>9} {'fp32, rounded':>14} {'native/rounded':>15} "
           f"{'rounded/fp32':>13} {'max rel diff':>13}")
-    out = {"native_bf16": native, "capability": torch.backends.cpu.get_cpu_capability(), "shapes": {}}
+    out = {"native_bf16": bool(native), "capability": why, "shapes": {}}
     for name, (cls, channels, size) in shapes.items():
         r = bench_shape(cls, channels, size, rounds, reps)
         out["shapes"][name] = r
