@@ -21,6 +21,7 @@ round fp32-accumulated values to bf16, whose spacing is 2^-8 of a value: differe
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -55,8 +56,7 @@ def time_once(fn, reps):
 def bench_shape(cls, channels, size, rounds, reps):
     torch.manual_seed(0)
     conv32 = cls(channels, channels, 3, padding=1)
-    conv16 = cls(channels, channels, 3, padding=1).to(torch.bfloat16)
-    conv16.load_state_dict({k: v.to(torch.bfloat16) for k, v in conv32.state_dict().items()})
+    conv16 = copy.deepcopy(conv32).to(torch.bfloat16)
     x32 = torch.randn(1, channels, *size)
     x16 = x32.to(torch.bfloat16)
     forms = {

@@ -163,7 +163,7 @@ def install_cpu_stubs(package_dir: Path | None = None) -> None:
     # Permissive (any attribute exists): torch.npu with what CPU code paths read of it, torch_npu.npu, torch_npu's
     # compiled extension and inductor; and, where no triton is installed, triton.runtime alone (as upstream's
     # conftest: ``import triton`` still fails).
-    made = standins.put({
+    standins.put({
         "torch.npu": {"Stream": _Stream, "Event": MagicMock, "NPUGraph": MagicMock, **current,
                       "is_available": MagicMock(return_value=False), "device_count": MagicMock(return_value=0)},
         "torch_npu.npu": {"Stream": _Stream, **current},
@@ -171,7 +171,6 @@ def install_cpu_stubs(package_dir: Path | None = None) -> None:
         "torch_npu._inductor": {}})
     if importlib.util.find_spec("triton") is None and "triton.runtime" not in sys.modules:
         standins.put({"triton.runtime": {}}, parents=False)
-    assert torch.npu is made["torch.npu"]
     torch.version.cann = None
 
 

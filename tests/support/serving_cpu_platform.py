@@ -11,7 +11,7 @@ dispatch per platform with no CPU branch (``diffusion/attention/backends/abstrac
   whose ``forward`` runs the backend's torch SDPA path on CPU.
 
 In every server, bf16 / fp16 convolutions compute in fp32 and round back (``_half_convolutions_in_fp32``: a CPU
-without native bf16 runs them 33-124x slower -- ``bench/conv_dtype.py`` -- which made the tiers' servers CPU-bound
+without native bf16 runs them 32-124x slower -- ``bench/conv_dtype.py`` -- which made the tiers' servers CPU-bound
 on their VAEs).
 
 One test-support switch, for the serving tier's start-up deadline case: with ``OMNI_SERVING_TEST_STAGE_INIT_HANG=1``
@@ -133,7 +133,7 @@ def _half_convolutions_in_fp32() -> None:
     its result to the half dtype, as an accelerator's kernels accumulate in fp32.
 
     On a CPU without native bf16 (AVX2 only: an AMD EPYC, torch 2.13, ``bench/conv_dtype.py``) a bf16 ``Conv2d`` of
-    32 channels at 64x64 takes 115-124x the time of this form and ``Conv3d`` 33-67x: the served VAEs made the servers
+    32 channels at 64x64 takes 71-124x the time of this form and ``Conv3d`` 32-67x: the served VAEs made the servers
     CPU-bound on their decode (a CPU with AMX does not notice). Stock and shim servers get the same switch, so
     the tiers' pixel comparisons are unchanged; under autocast the half dtype is autocast's. Anything else (fp32,
     mixed dtypes stock refuses, another device): the real forward, untouched."""
