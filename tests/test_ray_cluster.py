@@ -14,6 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,9 @@ def run(shimmed_stack, tmp_path_factory):
     except (OSError, ValueError):
         pytest.fail(f"the scenario wrote no result:\n{(Path(work) / 'scenario.log').read_text()[-6000:]}")
     result["left_after_scenario"] = left
+    for restart in result.get("node_restarts", ()):
+        warnings.warn(f"Ray node {restart['ip']} failed to start ({restart['cause']}); ended and started once more",
+                      RuntimeWarning)
     result["timings"]["pytest_total"] = round(elapsed, 1)
     print(f"ray cluster scenario timings (s): {result['timings']}")
     yield result
@@ -101,8 +105,10 @@ def _by_node(workers):
 def test_two_nodes_on_loopback_only(run):
     _ok(run)
     assert run["interfaces"] == ["lo"]
-    assert sorted((n["ip"], n["alive"], n["npu"]) for n in run["nodes"]) == [("127.0.0.1", True, 1.0),
-                                                                             ("127.0.0.2", True, 1.0)]
+    alive = sorted((n["ip"], n["npu"]) for n in run["nodes"] if n["alive"])
+    assert alive == [("127.0.0.1", 1.0), ("127.0.0.2", 1.0)]
+    # A dead node is only ever a first try that was ended and started once more (ray_cluster.Cluster.start_node).
+    assert {n["ip"] for n in run["nodes"] if not n["alive"]} <= {r["ip"] for r in run["node_restarts"]}
 
 
 @pytest.mark.parametrize("scenario, executor", [("on", "RayExecutorV2"), ("legacy", "RayDistributedExecutor")])

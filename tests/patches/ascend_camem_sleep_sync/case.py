@@ -34,7 +34,6 @@ FIRST_FIXED = FIXED[0]
 TORCH_NPU = '''
 """torch_npu stand-in: ``torch.npu`` over a model NPU (no kernels: memory, a queue of in-flight work, a call log)."""
 import ctypes
-import sys
 
 import torch
 
@@ -110,10 +109,8 @@ def empty_cache():
     DEVICE.empty_cache()
 
 
-npu = _s.module("torch.npu", synchronize=synchronize, empty_cache=empty_cache)
 if not hasattr(torch, "npu"):
-    torch.npu = npu
-    sys.modules["torch.npu"] = npu
+    _s.put({"torch.npu": {"synchronize": synchronize, "empty_cache": empty_cache}})
     _empty = torch.empty
 
     def _host_empty(*args, pin_memory=False, **kwargs):

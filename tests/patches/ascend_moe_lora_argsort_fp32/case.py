@@ -23,14 +23,12 @@ BEFORE = "0.22.1rc1"  # no MoE-LoRA yet (no vllm_ascend/lora/fused_moe.py)
 
 # torch_npu's own import sets torch.npu (0.27.1rc1+ quant_moe.py reads torch.npu.Event at import).
 TORCH_NPU = """
-import sys as _sys
-from unittest.mock import MagicMock as _MagicMock
-
 import torch as _torch
 
+from omni_patches.testing import standins as _s
+
 if not hasattr(_torch, "npu"):
-    _torch.npu = _MagicMock(name="torch.npu")
-    _sys.modules.setdefault("torch.npu", _torch.npu)
+    _s.put({"torch.npu": {}})
 """
 
 

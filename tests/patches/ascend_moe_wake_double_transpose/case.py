@@ -28,14 +28,12 @@ FIXED = ["0.26.0rc1", "0.27.1rc1", "0.30.0rc2"]
 BEFORE = ["0.11.0rc3", "0.11.0"]
 
 TORCH_NPU = """
-import sys as _sys
-from unittest.mock import MagicMock as _MagicMock
-
 import torch as _torch
 
+from omni_patches.testing import standins as _s
+
 if not hasattr(_torch, "npu"):
-    _torch.npu = _MagicMock(name="torch.npu")
-    _sys.modules.setdefault("torch.npu", _torch.npu)
+    _s.put({"torch.npu": {}})
 """
 
 # Real CaMem maps the pool's memory back at the same addresses: a level-1 wake restores the bytes of every tensor
