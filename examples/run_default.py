@@ -2,6 +2,7 @@
 
     python3 examples/run_default.py [--omni 0.28.0|0.30.0|0.32.0rc1] [--out PNG] [--plan]
     python3 examples/run_default.py --moe [--out PNG]
+    ... [--report JSON]   (also write what was measured and recorded, for scripts)
 
 ``--moe`` is the seed's own job: a tiny HunyuanImage3 (its MoE on vLLM's FusedMoE, 8 experts) on vllm-omni 0.22.0,
 served DiT-only on 4 CPU ranks, TP2·CFG2 with expert parallelism, where ``moe-ep-parallel-mapping`` builds vLLM's
@@ -28,6 +29,7 @@ Costs on 2 cores: first run ~8-10 min (the stack venv, ~3.5 GB); warm ~1.5 min, 
 The same support code (``tests/support/serving.py``) runs the serving test tier.
 """
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -45,6 +47,9 @@ def main(argv=None):
     ap.add_argument("--moe", action="store_true",
                     help=f"the tiny HunyuanImage3 on vllm-omni {serving.HY3_STACK}, TP2·CFG2 with expert parallelism")
     ap.add_argument("--out", type=Path, default=None, help="where to write the PNG (default: the cache directory)")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="also write a JSON report: exit code, healthy and image seconds, the PNG, the server log, "
+                         "status --all-processes (text and records), each server process's RSS, the stop")
     ap.add_argument("--plan", action="store_true",
                     help="install uv if needed, resolve the stack's packages, print them, and stop (nothing served)")
     args = ap.parse_args(argv)
@@ -66,7 +71,8 @@ def main(argv=None):
     server = serving.Server(args.omni, model["model"], shim=True, name="demo", workdir=workdir)
     return serve_one(server, lambda: server.image("a red cat sits on the mat",
                                                   lora={"name": "tiny", "path": model["lora_peft"], "scale": 1.0}),
-                     args.out or workdir / f"run_default-{args.omni}.png", "one 64x64 image with the LoRA", t0)
+                     args.out or workdir / f"run_default-{args.omni}.png", "one 64x64 image with the LoRA", t0,
+                     report=args.report)
 
 
 def build_stack(omni: str, t0: float) -> None:
@@ -76,30 +82,45 @@ def build_stack(omni: str, t0: float) -> None:
     print(f"   {python}  ({time.monotonic() - t0:.0f}s)", flush=True)
 
 
-def serve_one(server, request, out: Path, what: str, t0: float, *, layout: str = "", healthy_timeout: float = 600):
+def serve_one(server, request, out: Path, what: str, t0: float, *, layout: str = "", healthy_timeout: float = 600,
+              report: Path | None = None):
     """Start ``server``, wait until healthy, write ``request()``'s PNG to ``out``, print
-    ``omni-patches status --all-processes``, stop the server (its process group). Exit code: 0, or 1 if it failed."""
+    ``omni-patches status --all-processes``, stop the server (its process group); with ``report``, also write
+    what was measured and recorded there as JSON. Exit code: 0, or 1 if it failed."""
     server.start()
     print(f"== OMNI_PATCHES=1 vllm {' '.join(server.cmd[1:])}{layout}\n   (pid {server.proc.pid}, log "
           f"{server.log_path})", flush=True)
+    facts = {"returncode": 1, "png": str(out), "log": str(server.log_path)}
     try:
-        healthy = server.wait_healthy(healthy_timeout)
-        print(f"   healthy after {healthy:.0f}s", flush=True)
+        facts["healthy_s"] = round(server.wait_healthy(healthy_timeout), 1)
+        print(f"   healthy after {facts['healthy_s']:.0f}s", flush=True)
         t1 = time.monotonic()
         png = request()
+        facts["image_s"] = round(time.monotonic() - t1, 2)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(png)
-        print(f"== {what} in {time.monotonic() - t1:.1f}s: {out}", flush=True)
+        print(f"== {what} in {facts['image_s']:.1f}s: {out}", flush=True)
         status = server.cli("status", "--all-processes", "--state-dir", str(server.state_dir))
+        facts["status_text"] = status.stdout + status.stderr
         print("== omni-patches status --all-processes", flush=True)
-        print(status.stdout + status.stderr, flush=True)
+        print(facts["status_text"], flush=True)
+        if report is not None:  # while serving: the records and the processes are those of the live server
+            procs = server.processes()
+            facts["rss"] = {str(pid): {"bytes": n, "cmd": " ".join(procs.get(pid, []))[:120]}
+                            for pid, n in serving.rss_bytes(procs).items()}
+            facts["records"] = server.records()
+        facts["returncode"] = 0
     except serving.ServerFailed as exc:
         print(f"server failed: {exc}", file=sys.stderr)
-        return 1
+        facts["error"] = str(exc)
     finally:
-        stopped = server.stop(grace=60)
-        print(f"== server stopped in {stopped.get('seconds')}s; {time.monotonic() - t0:.0f}s in all", flush=True)
-    return 0
+        facts["stopped"] = server.stop(grace=60)
+        print(f"== server stopped in {facts['stopped'].get('seconds')}s; {time.monotonic() - t0:.0f}s in all",
+              flush=True)
+        if report is not None:
+            report.parent.mkdir(parents=True, exist_ok=True)
+            report.write_text(json.dumps(facts, indent=1, default=repr))
+    return facts["returncode"]
 
 
 def run_moe(args, t0) -> int:
@@ -114,7 +135,7 @@ def run_moe(args, t0) -> int:
     return serve_one(server, lambda: server.image("a red cat sits on the mat", seed=7, guidance_scale=5.0),
                      args.out or workdir / f"run_default-moe-{omni}.png",
                      "one 64x64 image (guidance 5: the CFG branches on their own ranks)", t0,
-                     layout="  (TP2·CFG2, expert parallel: 4 worker ranks)", healthy_timeout=900)
+                     layout="  (TP2·CFG2, expert parallel: 4 worker ranks)", healthy_timeout=900, report=args.report)
 
 
 if __name__ == "__main__":

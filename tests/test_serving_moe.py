@@ -17,7 +17,8 @@ for ``omni-patches status``, stopped) runs once and its results are kept for the
   seed twice gives the same pixels, and ``status --all-processes`` names ``moe-ep-parallel-mapping`` with the
   processes it applied in. Its image is the reference of the multi-rank cases.
 * ``tp2_cfg2_ep_*`` and ``tp2_sp2_ep_shim`` -- 4 worker ranks with EP, stock (shim off, TP2·CFG2) and shim (both
-  layouts), each its own server.
+  layouts), each its own server. The TP2·CFG2 shim server is the README's ``examples/run_default.py --moe``, run as
+  an operator runs it (``Case.example``), its ``--report`` read back.
   Shim: vLLM's EP over all 4 ranks (FusedMoE ``[EP Rank r/4]``, 2 of 8 experts each), each expert held by exactly
   one rank (every rank's ``OMNI_TEST_MOE_LAYOUT`` line), the image equal to the reference within the bound derived
   in :func:`test_shim_image_equals_one_worker_within_the_layouts_bound`, every worker rank recorded with the patch
@@ -43,6 +44,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,6 +58,7 @@ from support import cpu_moe_standins as moe_standins
 pytestmark = [pytest.mark.serving, pytest.mark.stack]
 
 OMNI = serving.HY3_STACK
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "run_default.py"
 PATCH = "moe-ep-parallel-mapping"
 SIZE = "64x64"
 STEPS = 2
@@ -81,12 +85,16 @@ class Case:
     # One request per entry, the same prompt and seed each time. Guidance > 1: classifier-free guidance, two
     # forwards per step -- what a CFG-parallel server splits over its CFG ranks.
     guidance: tuple = (GUIDANCE,)
+    # Served by the README's ``examples/run_default.py --moe`` (its ``--report`` read back) instead of by the test:
+    # that command's server is this case's (``serving.hy3_server``, TP2·CFG2 with EP, the shim on, one request
+    # with PROMPT, SEED, GUIDANCE, SIZE, STEPS), so the seed's job in one command is one of the run's servers.
+    example: bool = False
 
 
 CASES = {
     "one_worker": Case(shim=True, guidance=(GUIDANCE, GUIDANCE)),
     "tp2_cfg2_ep_stock": Case(shim=False, tp=2, cfg=2, ep=True),
-    "tp2_cfg2_ep_shim": Case(shim=True, tp=2, cfg=2, ep=True),
+    "tp2_cfg2_ep_shim": Case(shim=True, tp=2, cfg=2, ep=True, example=True),
     "tp2_sp2_ep_shim": Case(shim=True, tp=2, ulysses=2, ep=True),
     "sp2_cfg2_ep_stock": Case(shim=False, ulysses=2, cfg=2, ep=True),
     "sp2_cfg2_ep_shim": Case(shim=True, ulysses=2, cfg=2, ep=True),
@@ -129,8 +137,19 @@ class MoeRun(serving.Steps):
         return s
 
     def _run(self, name: str, case: Case) -> dict:
-        s = self.serve(name, case)
         out = {"case": dataclasses.asdict(case)}
+        log = self._by_example(name, out) if case.example else self._by_test(name, case, out)
+        out["layout"] = moe_standins.layout_facts(log)
+        out["ep_rank_lines"] = [ln[ln.index("[EP Rank"):] for ln in log.splitlines() if "[EP Rank" in ln]
+        out["patch_log_lines"] = [ln for ln in log.splitlines() if f"{PATCH}:" in ln]
+        out["log_tail"] = "\n".join(log.splitlines()[-60:])
+        if out.get("pngs"):
+            out["pixel_std"] = round(serving.pixel_std(self.omni, out["pngs"][0]), 2)
+        return out
+
+    def _by_test(self, name: str, case: Case, out: dict) -> str:
+        """Serve ``case`` here: start, images, records and ``status`` while serving, stop. The server's log."""
+        s = self.serve(name, case)
         try:
             s.start()
             out["healthy_s"] = round(s.wait_healthy(HEALTHY_TIMEOUT_S), 1)
@@ -143,7 +162,6 @@ class MoeRun(serving.Steps):
             procs = s.processes()
             rss = serving.rss_bytes(procs)
             out["rss"] = {str(pid): {"bytes": n, "cmd": " ".join(procs.get(pid, []))[:120]} for pid, n in rss.items()}
-            out["rss_total_bytes"] = sum(rss.values())
             out["records"] = s.records()
             # --all-patches on the distill cases: a patch skipped in every process (there: moe-lora-idle-detach,
             # skipped:absent) is only listed with it.
@@ -152,14 +170,27 @@ class MoeRun(serving.Steps):
             out["status_text"] = status.stdout + status.stderr
         finally:
             out["stopped"] = s.stop(grace=30)
-            log = s.log_text()
-            out["layout"] = moe_standins.layout_facts(log)
-            out["ep_rank_lines"] = [ln[ln.index("[EP Rank"):] for ln in log.splitlines() if "[EP Rank" in ln]
-            out["patch_log_lines"] = [ln for ln in log.splitlines() if f"{PATCH}:" in ln]
-            out["log_tail"] = s.log_tail(60)
-        if out.get("pngs"):
-            out["pixel_std"] = round(serving.pixel_std(self.omni, out["pngs"][0]), 2)
-        return out
+        out["rss_total_bytes"] = sum(v["bytes"] for v in out["rss"].values())
+        return s.log_text()
+
+    def _by_example(self, name: str, out: dict) -> str:
+        """Serve the case by ``examples/run_default.py --moe`` (see ``Case.example``) as an operator would run it,
+        and read its ``--report`` back. The server's log."""
+        workdir = self.workdir / name
+        workdir.mkdir(parents=True, exist_ok=True)
+        png, report = workdir / "moe.png", workdir / "report.json"
+        report.unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, str(EXAMPLE), "--moe", "--out", str(png), "--report", str(report)],
+                              capture_output=True, text=True, timeout=1800, env=serving.clean_child_env())
+        out["example_output"] = proc.stdout + proc.stderr
+        facts = json.loads(report.read_text()) if report.exists() else {}
+        if proc.returncode or facts.get("returncode") != 0:
+            raise RuntimeError(f"examples/run_default.py --moe exited {proc.returncode} (report: "
+                               f"{facts.get('error', 'none')}):\n{out['example_output'][-5000:]}")
+        out.update(healthy_s=facts["healthy_s"], image_s=[facts["image_s"]], pngs=[png.read_bytes()],
+                   rss=facts["rss"], rss_total_bytes=sum(v["bytes"] for v in facts["rss"].values()),
+                   records=facts["records"], status_text=facts["status_text"], stopped=facts["stopped"])
+        return Path(facts["log"]).read_text(errors="replace")
 
     def stop_all(self) -> None:
         for s in self.servers:
@@ -366,21 +397,14 @@ def test_032_shim_equals_stock_and_says_why_idle_detach_has_nothing_to_do(run32)
 
 
 # -- the seed's job in one command: examples/run_default.py --moe ---------------------------------------------------
-def test_run_default_moe_serves_tp2_cfg2_with_ep_and_shows_each_ranks_place(run, tmp_path):
-    """What the README offers as the seed's job: ``examples/run_default.py --moe`` (its server is
-    ``serving.hy3_server``, TP2·CFG2 with EP) writes an image with contrast and prints ``status --all-processes``
-    with 4 of 4 worker ranks and each rank's EP place."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "moe.png"
-    proc = subprocess.run([sys.executable, str(root / "examples" / "run_default.py"), "--moe", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200, env=serving.clean_child_env())
-    text = proc.stdout + proc.stderr
-    print("\n" + proc.stdout[-2500:])
-    assert proc.returncode == 0, text[-5000:]
-    assert serving.pixel_std(run.omni, out.read_bytes()) >= MIN_PIXEL_STD
+def test_run_default_moe_serves_tp2_cfg2_with_ep_and_shows_each_ranks_place(run):
+    """What the README offers as the seed's job: ``examples/run_default.py --moe`` (the ``tp2_cfg2_ep_shim`` case's
+    server, ``Case.example``) exits 0, writes an image with contrast, and prints ``status --all-processes`` with
+    4 of 4 worker ranks and each rank's EP place."""
+    r = run.case("tp2_cfg2_ep_shim")
+    text = r["example_output"]
+    print("\n" + text[-2500:])
+    assert r["pixel_std"] >= MIN_PIXEL_STD
     assert re.search(rf"instance \S+: {WORKERS} of {WORKERS} worker rank\(s\) recorded", text), text[-3000:]
     for rank in range(WORKERS):
         assert f"(rank {rank}): mapped: vLLM EP rank {rank} of {WORKERS} over ranks [0, 1, 2, 3]" in text
