@@ -6,6 +6,7 @@ Real processes: a stand-in ``vllm`` executable (the only stand-in: a real server
 """
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -136,3 +137,25 @@ def test_no_restart_when_asked_for_none(server, tmp_path):
     with pytest.raises(serving.ServerFailed):
         s.wait_healthy(60, restart_once=False)
     assert runs(tmp_path) == 1
+
+
+def test_run_default_report_of_a_failed_start_names_its_cause(server, tmp_path, monkeypatch):
+    """``examples/run_default.py --report``: a server that fails to start still leaves its report (exit code 1, the
+    failure with the log's first error, the stop), and the example's exit code is the report's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "run_default.py"
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the example puts tests/ and the checkout in front
+    spec = importlib.util.spec_from_file_location("run_default_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    s = server("shim", "serve")
+    report = tmp_path / "out" / "report.json"
+    rc = example.serve_one(s, lambda: b"never asked", tmp_path / "x.png", "an image", 0.0, healthy_timeout=60,
+                           report=report)
+    facts = json.loads(report.read_text())
+    assert rc == facts["returncode"] == 1
+    assert facts["error"].rstrip().endswith("TimeoutError: stage init timed out")
+    assert facts["log"] == str(s.log_path) and "seconds" in facts["stopped"]
+    assert "image_s" not in facts and not (tmp_path / "x.png").exists()
