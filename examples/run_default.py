@@ -105,9 +105,7 @@ def serve_one(server, request, out: Path, what: str, t0: float, *, layout: str =
         print("== omni-patches status --all-processes", flush=True)
         print(facts["status_text"], flush=True)
         if report is not None:  # while serving: the records and the processes are those of the live server
-            procs = server.processes()
-            facts["rss"] = {str(pid): {"bytes": n, "cmd": " ".join(procs.get(pid, []))[:120]}
-                            for pid, n in serving.rss_bytes(procs).items()}
+            facts["rss"] = serving.rss_by_process(server)
             facts["records"] = server.records()
         facts["returncode"] = 0
     except serving.ServerFailed as exc:

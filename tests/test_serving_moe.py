@@ -139,6 +139,7 @@ class MoeRun(serving.Steps):
     def _run(self, name: str, case: Case) -> dict:
         out = {"case": dataclasses.asdict(case)}
         log = self._by_example(name, out) if case.example else self._by_test(name, case, out)
+        out["rss_total_bytes"] = sum(v["bytes"] for v in out["rss"].values())
         out["layout"] = moe_standins.layout_facts(log)
         out["ep_rank_lines"] = [ln[ln.index("[EP Rank"):] for ln in log.splitlines() if "[EP Rank" in ln]
         out["patch_log_lines"] = [ln for ln in log.splitlines() if f"{PATCH}:" in ln]
@@ -159,9 +160,7 @@ class MoeRun(serving.Steps):
                 pngs.append(s.image(PROMPT, size=SIZE, steps=STEPS, seed=SEED, guidance_scale=guidance))
                 seconds.append(round(time.monotonic() - t0, 2))
             out["pngs"], out["image_s"] = pngs, seconds
-            procs = s.processes()
-            rss = serving.rss_bytes(procs)
-            out["rss"] = {str(pid): {"bytes": n, "cmd": " ".join(procs.get(pid, []))[:120]} for pid, n in rss.items()}
+            out["rss"] = serving.rss_by_process(s)
             out["records"] = s.records()
             # --all-patches on the distill cases: a patch skipped in every process (there: moe-lora-idle-detach,
             # skipped:absent) is only listed with it.
@@ -170,7 +169,6 @@ class MoeRun(serving.Steps):
             out["status_text"] = status.stdout + status.stderr
         finally:
             out["stopped"] = s.stop(grace=30)
-        out["rss_total_bytes"] = sum(v["bytes"] for v in out["rss"].values())
         return s.log_text()
 
     def _by_example(self, name: str, out: dict) -> str:
@@ -188,8 +186,7 @@ class MoeRun(serving.Steps):
             raise RuntimeError(f"examples/run_default.py --moe exited {proc.returncode} (report: "
                                f"{facts.get('error', 'none')}):\n{out['example_output'][-5000:]}")
         out.update(healthy_s=facts["healthy_s"], image_s=[facts["image_s"]], pngs=[png.read_bytes()],
-                   rss=facts["rss"], rss_total_bytes=sum(v["bytes"] for v in facts["rss"].values()),
-                   records=facts["records"], status_text=facts["status_text"], stopped=facts["stopped"])
+                   rss=facts["rss"], records=facts["records"], status_text=facts["status_text"], stopped=facts["stopped"])
         return Path(facts["log"]).read_text(errors="replace")
 
     def stop_all(self) -> None:

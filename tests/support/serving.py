@@ -676,6 +676,13 @@ def rss_bytes(pids) -> dict[int, int]:
     return out
 
 
+def rss_by_process(server: "Server") -> dict[str, dict]:
+    """``{pid: {"bytes": resident bytes, "cmd": its command line (120 chars)}}`` of the server's live processes: what
+    the MoE tier keeps per case and ``examples/run_default.py --report`` writes."""
+    procs = server.processes()
+    return {str(pid): {"bytes": n, "cmd": " ".join(procs.get(pid, []))[:120]} for pid, n in rss_bytes(procs).items()}
+
+
 def pixel_std(omni: str, png: bytes) -> float:
     import numpy as np
 
