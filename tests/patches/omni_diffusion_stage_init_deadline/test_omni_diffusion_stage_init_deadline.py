@@ -48,7 +48,8 @@ def runs():
         if "stock" in res:
             print(f"\n{v}: stock still waiting at {res['stock']['waiting_after_s']}s, patched "
                   f"{(res['patched']['raised'] or ['returned'])[0]} after {res['patched']['seconds']}s; launches "
-                  f"per sample: {[res[k]['attempts'] for k in ('stock', 'patched', 'patched_ready', 'patched_dies')]}")
+                  f"per sample: {[res[k]['attempts'] for k in ('stock', 'patched', 'patched_ready', 'patched_dies')]}"
+                  f"; ready samples taken again (late): {res['patched_ready']['late_retries']}")
     return out
 
 
