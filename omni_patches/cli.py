@@ -407,23 +407,9 @@ def _seconds(text):
     return value or None
 
 
-def registry_markdown(reg=None):
-    """The README's patch table, generated from the registry (tests keep the README in sync)."""
-    from . import registry
-
-    reg = reg or registry.load([registry.builtin_path()])
-    rows = ["| patch | switch (default) | applies to | fixed upstream in | what it fixes |",
-            "|---|---|---|---|---|"]
-    for s in reg.specs.values():
-        applies = "<br>".join(f"`{d} {v}`" for d, v in s.requires.items())
-        fixed = "<br>".join(f"`{d} {v}`" for d, v in s.fixed_in.items()) or "—"
-        default = "on" if s.default else "off"
-        rows.append(f"| `{s.id}` | `{flags.env_name(s.id)}` ({default}) | {applies} | {fixed} | {s.summary} |")
-    return "\n".join(rows)
-
-
 def cmd_list(args):
     from . import prose, registry
+    from .tools.tables import registry_markdown
 
     reg = registry.load()
     bad = prose.problems(reg.specs.values())  # a patch without its prose (no record), or with it twice

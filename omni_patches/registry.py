@@ -1,5 +1,8 @@
 """Load and validate ``patches.toml`` (plus ``OMNI_PATCHES_CONFIG`` overlays).
 
+The shipped ``patches.toml`` is generated from the patch modules' ``TABLE`` literals
+(:mod:`omni_patches.tools.tables`); an overlay's file is written by hand.
+
 Runs at interpreter start-up when the shim is on, so it stays stdlib-only (``tomllib``); the checks that
 need ``packaging`` (specifier syntax) run later, in :mod:`omni_patches.gates`, when a target is imported.
 A bad entry never takes the others down: it is kept with ``error`` set and reported as ``failed``.
@@ -9,7 +12,7 @@ import os
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 
 
-def _is_id(value):
+def is_id(value):
     """kebab-case: lower-case alphanumeric words joined by single hyphens (no ``re``: start-up path)."""
     return isinstance(value, str) and all(w and set(w) <= _ID_CHARS for w in value.split("-"))
 
@@ -149,7 +152,7 @@ def _merge(reg, path, data):
     seen = set()
     for n, entry in enumerate(entries, 1):
         pid = entry.get("id") if isinstance(entry, dict) else None
-        if not _is_id(pid):
+        if not is_id(pid):
             reg.errors.append(f"{path}: patch #{n}: 'id' must be a kebab-case string, got {pid!r}")
             continue
         if pid in seen:
@@ -211,6 +214,6 @@ def _check_value(key, value):
         if value not in SOURCE_BUILDS:
             return f"key 'source_builds' must be one of {', '.join(SOURCE_BUILDS)}, got {value!r}"
     elif key == "needs":
-        if not all(_is_id(n) for n in value):
+        if not all(is_id(n) for n in value):
             return f"key 'needs' must be a list of patch ids, got {value!r}"
     return None

@@ -19,6 +19,10 @@ BEFORE_THE_KIT = frozenset({
     "ascend-execute-model-timeout", "vllm-moe-lora-stale-token-ids"})
 
 
+#: A patch whose commit also added its benchmark (CONTRIBUTING: a hot path adds one to bench/).
+WROTE_A_BENCHMARK = frozenset({"ascend-moe-lora-argsort-fp32"})
+
+
 def _listed():
     """``(hand-written templates, generated, optional)`` from the marked block of CONTRIBUTING.md."""
     block = re.search(r"<!-- add-a-patch:files -->(.*?)<!-- /add-a-patch:files -->", CONTRIBUTING.read_text(), re.S)
@@ -34,11 +38,12 @@ def _name(pid):
     return SPECS[pid].module.rsplit(".", 1)[1]
 
 
-def test_the_list_names_four_files_one_of_each_kind():
+def test_the_list_names_three_hand_written_files_and_the_generated_tables():
     hand, generated, optional = _listed()
-    assert hand == ["omni_patches/patches/<name>.py", "patches.toml", "tests/patches/<name>/case.py",
+    assert hand == ["omni_patches/patches/<name>.py", "tests/patches/<name>/case.py",
                     "tests/patches/<name>/test_<name>.py"], hand
-    assert generated == ["README.md"] and optional == ["docs/patches.md", "bench/"], (generated, optional)
+    assert generated == ["patches.toml", "README.md"], generated
+    assert optional == ["docs/patches.md", "bench/"], optional
 
 
 @pytest.mark.parametrize("pid", sorted(SPECS))
@@ -74,4 +79,6 @@ def test_the_commit_that_added_a_patch_touched_only_the_listed_files(pid):
                and not any(p == o or (o.endswith("/") and p.startswith(o)) for o in optional)]
     assert not outside, (f"{pid}: its commit {commit[:10]} touched {outside} by hand; CONTRIBUTING.md's "
                          f"'How to add a patch' lists {sorted(allowed_hand)}")
-    assert len([p for p in touched if p in allowed_hand]) <= 4
+    # At most four hand-written: the listed three and one optional file (the patches of issue 37, before the
+    # registry table moved into the module, also wrote patches.toml by hand: it is generated now).
+    assert len([p for p in touched if p not in generated]) <= 4 or pid in WROTE_A_BENCHMARK, touched

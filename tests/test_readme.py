@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from omni_patches.cli import registry_markdown
+from omni_patches.tools.tables import registry_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -12,7 +12,7 @@ def test_patch_table_matches_registry():
     m = re.search(r"<!-- patch-table:start[^>]*-->\n(.*?)\n<!-- patch-table:end -->", text, re.S)
     assert m, "README lacks the patch-table markers"
     assert m.group(1).strip() == registry_markdown().strip(), (
-        "README patch table is stale: replace it with the output of `omni-patches list`")
+        "README patch table is stale: run `python -m omni_patches.tools.tables --write`")
 
 
 def test_readme_commands_exist():

@@ -1,5 +1,5 @@
-"""One record per patch: the module docstring is the source of its prose, patches.toml holds the machine keys, and
-docs/patches.md only what the record does not say."""
+"""One record per patch: the module docstring is the source of its prose, its TABLE the machine keys (generated
+into patches.toml: test_tables.py), and docs/patches.md only what the record does not say."""
 import importlib
 import json
 import logging

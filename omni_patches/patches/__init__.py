@@ -1,7 +1,9 @@
 """One module per patch. Each opens with its record and defines ``apply(ctx)`` (and optionally ``check(ctx)``).
 
-Record: the module docstring, the one source of the patch's prose. ``patches.toml`` holds only the machine keys;
-the registry reads ``summary`` (the first line), ``upstream`` (the URLs of ``Upstream:``), ``why`` and
+Record: the module docstring, the one source of the patch's prose, and ``TABLE``, its machine keys (``default``,
+``requires``, ``fixed_in``, ``targets``; optionally ``source_builds``, ``needs``), from which
+``python -m omni_patches.tools.tables --write`` generates its ``patches.toml`` table and the README's row. The
+registry reads ``summary`` (the first line), ``upstream`` (the URLs of ``Upstream:``), ``why`` and
 ``remove_when`` from here, parsing the source without importing it (:mod:`omni_patches.prose`), for ``omni-patches
 list`` (the README table), ``status`` and ``doctor``. ``tests/test_records.py`` checks the Affected line against
 ``requires`` / ``fixed_in`` and that it fits a screenful: at most 25 lines, these fields in this order, each label at
@@ -11,7 +13,7 @@ the start of a line and its continuation lines indented::
 
     Why:         the bug and its symptom, in 2-4 lines
     Upstream:    PR / issue URLs (they are the patch's ``upstream`` list: other references without a URL)
-    Affected:    <dist> <specifier> (patches.toml's ``requires``); fixed upstream in <dist> <version> (its ``fixed_in``)
+    Affected:    <dist> <specifier> (TABLE's ``requires``); fixed upstream in <dist> <version> (its ``fixed_in``)
     How:         the mechanism in a few lines: what is wrapped, and why this technique
     Remove when: the condition under which the patch can be deleted
 

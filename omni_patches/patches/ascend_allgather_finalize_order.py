@@ -26,6 +26,14 @@ import ast
 import inspect
 import textwrap
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-ascend": ">=0.13.0rc1,<0.24.0rc1"},
+    "fixed_in": {"vllm-ascend": "0.24.0rc1"},
+    "targets": ["vllm_ascend.ops.fused_moe.prepare_finalize"],
+}
+
 PATCH_ID = "ascend-allgather-finalize-order"
 TARGET = "vllm_ascend.ops.fused_moe.prepare_finalize"
 CLASS = "PrepareAndFinalizeWithAllGather"

@@ -20,6 +20,14 @@ Remove when: the oldest supported vllm-ascend is 0.27.1rc1 or later.
 """
 import types
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-ascend": ">=0.7.3,<0.27.1rc1"},
+    "fixed_in": {"vllm-ascend": "0.27.1rc1"},
+    "targets": ["vllm_ascend.device_allocator.camem"],
+}
+
 PATCH_ID = "ascend-camem-sleep-sync"
 TARGET = "vllm_ascend.device_allocator.camem"
 CLASS = "CaMemAllocator"

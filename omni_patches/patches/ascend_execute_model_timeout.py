@@ -25,6 +25,14 @@ import os
 import sys
 import types
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-ascend": ">=0.9.2rc1,<0.27.1rc1"},
+    "fixed_in": {"vllm-ascend": "0.27.1rc1"},
+    "targets": ["vllm_ascend.platform"],
+}
+
 NAME = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
 DEFAULT = 3000  # what upstream sets
 HCCL_TIMEOUT = 1836  # upstream's threshold: the HCCL operator timeout, in seconds

@@ -22,6 +22,14 @@ import ast
 import inspect
 import textwrap
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-ascend": ">=0.23.0rc1,<0.28.0rc1"},
+    "fixed_in": {"vllm-ascend": "0.28.0rc1"},
+    "targets": ["vllm_ascend.lora.fused_moe", "vllm_ascend.lora.quant_moe"],
+}
+
 PATCH_ID = "ascend-moe-lora-argsort-fp32"
 FUSED_MOE = "vllm_ascend.lora.fused_moe"
 QUANT_MOE = "vllm_ascend.lora.quant_moe"

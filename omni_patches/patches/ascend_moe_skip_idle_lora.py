@@ -29,6 +29,13 @@ import importlib.util
 import inspect
 import sys
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-ascend": ">=0.23.0rc1"},
+    "targets": ["vllm_ascend.ops.fused_moe.routed_experts", "vllm_ascend.ops.fused_moe.fused_moe"],
+}
+
 PATCH_ID = "ascend-moe-skip-idle-lora"
 KEY = "_ascend_moe_lora_context"
 _PKG = "vllm_ascend.ops.fused_moe"

@@ -25,6 +25,14 @@ import functools
 import inspect
 import textwrap
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-ascend": ">=0.12.0rc1,<0.26.0rc1"},
+    "fixed_in": {"vllm-ascend": "0.26.0rc1"},
+    "targets": ["vllm_ascend.worker.worker", "vllm_ascend.worker.worker_v1"],
+}
+
 PATCH_ID = "ascend-moe-wake-double-transpose"
 NAMES = ("w13_weight", "w2_weight")
 # Stock's tests for "already in the runtime layout": w2 [E, I, H] has the hidden size at dim 2, w13 [E, H, 2I] at dim 1.

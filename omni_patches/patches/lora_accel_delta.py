@@ -20,6 +20,14 @@ import importlib
 
 from . import _lora_call as lc
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.27.0rc1,<0.30.0rc1"},
+    "fixed_in": {"vllm-omni": "0.30.0rc1"},
+    "targets": ["vllm_omni.diffusion.lora.loader"],
+}
+
 _UTILS = "vllm_omni.diffusion.distributed.utils"
 
 

@@ -25,6 +25,13 @@ import collections.abc
 from . import _lora_call as lc
 from . import _lora_cpu_kernels as kernels
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": False,
+    "requires": {"vllm-omni": ">=0.27.0rc1"},
+    "targets": ["vllm_omni.diffusion.lora.loader"],
+}
+
 PATCH_ID = "lora-cpu-fused-delta"
 
 # torch and the op tables are set on first use: the module must import without torch (omni-patches audit

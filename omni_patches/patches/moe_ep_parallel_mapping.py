@@ -26,6 +26,23 @@ import functools
 import inspect
 import sys
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.18.0,<0.24.0"},
+    "fixed_in": {"vllm-omni": "0.24.0"},
+    "targets": [
+        "vllm_omni.diffusion.distributed.parallel_state",
+        "vllm_omni.diffusion.worker.diffusion_worker",
+        "vllm_omni.diffusion.models.hunyuan_image_3.hunyuan_image_3_transformer",
+        "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_image3_transformer",
+        "vllm_omni.platforms.npu.models.hunyuan_fused_moe",
+        "vllm_omni.diffusion.models.hunyuan_image_3.hunyuan_fused_moe",
+        "vllm_omni.diffusion.models.hunyuan_image3.hunyuan_fused_moe",
+    ],
+    "needs": ["ascend-allgather-finalize-order"],  # on Ascend only: elsewhere that patch is skipped:absent
+}
+
 PATCH_ID = "moe-ep-parallel-mapping"
 _PS = "vllm_omni.diffusion.distributed.parallel_state"
 _WORKER = "vllm_omni.diffusion.worker.diffusion_worker"

@@ -27,6 +27,14 @@ import re
 import sys
 import weakref
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    # vllm-ascend: only its MoE runners take a MoE-LoRA context
+    "requires": {"vllm-omni": ">=0.32.0rc1", "vllm-ascend": ">=0.23.0rc1"},
+    "targets": ["vllm_omni.diffusion.lora.manager"],
+}
+
 # Every method whose return may change whether an adapter is active or which wrappers exist.
 LIFECYCLE = (
     "__init__", "set_active_adapter", "add_adapter", "remove_adapter", "close",

@@ -26,6 +26,14 @@ import functools
 import inspect
 import textwrap
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.30.0rc1,<0.31.0rc1"},
+    "fixed_in": {"vllm-omni": "0.31.0rc1"},
+    "targets": ["vllm_omni.diffusion.diffusion_engine"],
+}
+
 PATCH_ID = "omni-diffusion-engine-shutdown-rpcs"
 # What upstream's loop tail raises in every queued RPC's caller (0.21.0rc1 .. 0.32.0rc1 alike).
 _SHUTTING_DOWN = "DiffusionEngine is shutting down."

@@ -25,6 +25,14 @@ import logging
 import textwrap
 import threading
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.30.0rc1,<0.32.0rc1"},
+    "fixed_in": {"vllm-omni": "0.32.0rc1"},
+    "targets": ["vllm_omni.diffusion.diffusion_engine"],
+}
+
 PATCH_ID = "omni-diffusion-idle-abort-terminal"
 
 

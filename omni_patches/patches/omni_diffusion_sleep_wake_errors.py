@@ -26,6 +26,14 @@ import contextvars
 import functools
 import logging
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.28.0rc1,<0.31.0rc1"},
+    "fixed_in": {"vllm-omni": "0.31.0rc1"},
+    "targets": ["vllm_omni.entrypoints.async_omni", "vllm_omni.entrypoints.openai.api_server"],
+}
+
 
 PATCH_ID = "omni-diffusion-sleep-wake-errors"
 _SLEEP_TAGS = ("weights", "kv_cache")  # CuMemTag.WEIGHTS / KV_CACHE values, what sleep() records

@@ -23,6 +23,14 @@ import logging
 import numbers
 import threading
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.24.0rc1,<0.32.0rc1"},
+    "fixed_in": {"vllm-omni": "0.32.0rc1"},
+    "targets": ["vllm_omni.diffusion.stage_diffusion_proc"],
+}
+
 PATCH_ID = "omni-diffusion-stage-init-deadline"
 _LOG = logging.getLogger("omni_patches")
 

@@ -23,6 +23,14 @@ import asyncio
 import contextlib
 import functools
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.22.0,<0.31.0rc1"},
+    "fixed_in": {"vllm-omni": "0.31.0rc1"},
+    "targets": ["vllm_omni.diffusion.stage_diffusion_proc"],
+}
+
 PATCH_ID = "omni-stage-executor-failure-teardown"
 
 

@@ -25,6 +25,14 @@ Remove when: the oldest supported vllm-omni is 0.31.0rc1 or later.
 
 from . import _stage_client as sc
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.24.0rc1,<0.31.0rc1"},
+    "fixed_in": {"vllm-omni": "0.31.0rc1"},
+    "targets": ["vllm_omni.diffusion.stage_diffusion_client"],
+}
+
 PATCH_ID = "omni-stage-send-dead-engine"
 _METHODS = ("add_request_async", "abort_requests_async", "collective_rpc_async")
 _RETRY_POLL_MS = 100  # upstream's wait for POLLOUT between two tries while the process lives

@@ -24,6 +24,14 @@ import logging
 
 from . import _stage_client as sc
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.24.0rc1,<0.31.0rc1"},
+    "fixed_in": {"vllm-omni": "0.31.0rc1"},
+    "targets": ["vllm_omni.diffusion.stage_diffusion_client"],
+}
+
 PATCH_ID = "omni-stage-shutdown-nonblocking"
 _LOG = logging.getLogger("omni_patches")
 

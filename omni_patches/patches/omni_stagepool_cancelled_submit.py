@@ -25,6 +25,14 @@ import contextvars
 import functools
 import logging
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm-omni": ">=0.21.0rc1,<0.32.0rc1"},
+    "fixed_in": {"vllm-omni": "0.32.0rc1"},
+    "targets": ["vllm_omni.engine.stage_pool"],
+}
+
 PATCH_ID = "omni-stagepool-cancelled-submit"
 _LOG = logging.getLogger("omni_patches")
 _CO_COROUTINE = 0x80

@@ -21,6 +21,14 @@ Remove when: the oldest supported vLLM is 0.24.0
 import dis
 import types
 
+#: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
+TABLE = {
+    "default": True,
+    "requires": {"vllm": ">=0.16.0,<0.24.0"},
+    "fixed_in": {"vllm": "0.24.0"},
+    "targets": ["vllm.lora.punica_wrapper.punica_gpu"],
+}
+
 PATCH_ID = "vllm-moe-lora-stale-token-ids"
 OWNER = "PunicaWrapperGPU"
 METHOD = "add_lora_fused_moe"
