@@ -1,11 +1,12 @@
 """A patch's prose -- summary, upstream links, why, remove-when -- read from its record, the module docstring.
 
-The record (format: :mod:`omni_patches.patches`) is the one source of a patch's prose; ``patches.toml`` holds
-only the machine keys (generated from the module's ``TABLE``, :mod:`omni_patches.tools.tables`). The prose is read from the module's *source*, never by importing it, and only when
-something asks for it (:meth:`omni_patches.registry.PatchSpec.prose`: ``omni-patches list``, ``status``,
-``doctor``, the README table): a serving process does not parse it. Where the gates run (the first import of a
-target package, ``doctor``, ``audit``) :func:`problem` checks that the record is there, from the first bytes of
-the file, and makes a patch without prose ``failed`` with the reason, like any invalid entry.
+The record (format: :mod:`omni_patches.patches`) is the one source of a patch's prose; ``patches.toml`` holds only
+the machine keys (generated from the module's ``TABLE``, :mod:`omni_patches.tools.tables`). The prose is read from
+the module's *source*, never by importing it, and only when something asks for it
+(:meth:`omni_patches.registry.PatchSpec.prose`: ``omni-patches list``, ``status``, ``doctor``, the README table): a
+serving process does not parse it. Where the gates run (the first import of a target package, ``doctor``, ``audit``)
+:func:`problem` checks that the record is there, from the first bytes of the file, and makes a patch without prose
+``failed`` with the reason, like any invalid entry.
 
 An overlay's patch (``OMNI_PATCHES_CONFIG``) whose module has no record gives its prose in its ``[[patch]]``
 table instead: ``summary`` (required then), ``upstream``, ``why``, ``remove_when``. A module with a record takes
