@@ -60,7 +60,7 @@ def test_a_changed_table_is_seen_then_written(checkout, capsys, mocker):
     assert _run(capsys, checkout) == (0, "tables: patches.toml and the README's patch table are up to date\n")
 
 
-def test_a_new_module_goes_last_with_its_record_and_table(checkout, capsys):
+def test_a_new_module_goes_last_with_its_record_and_table_and_a_shared_one_is_named(checkout, capsys):
     (checkout / "omni_patches" / "patches" / "aaa_new_fix.py").write_text(textwrap.dedent('''\
         """aaa-new-fix: a new fix
 
@@ -77,8 +77,10 @@ def test_a_new_module_goes_last_with_its_record_and_table(checkout, capsys):
         def apply(ctx):
             pass
         '''))
+    (checkout / "omni_patches" / "patches" / "_aaa_shared.py").write_text('"""Shared by aaa-new-fix."""\n')
     assert _run(capsys, checkout, "--write")[0] == 0
     specs = registry.load([str(checkout / "patches.toml")]).specs
+    assert "omni_patches/patches/_aaa_shared.py" in (checkout / "patches.toml").read_text()  # named, not a patch
     assert list(specs)[-1] == "aaa-new-fix"  # first by name, last by order: the patches before keep theirs
     new = specs["aaa-new-fix"]
     assert (new.module, new.default, new.requires, new.targets, new.error) == (

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 
 from .. import flags, prose, registry
 
@@ -32,8 +33,7 @@ HEADER = """\
 # remove when), read from the source when `omni-patches list`, `status` or `doctor` show it. The shim reads this
 # file at start-up (stdlib tomllib only). Order = application order; a new patch goes last.
 # Keys: registry.KEYS; which goes where: CONTRIBUTING.md "How to add a patch". An overlay (OMNI_PATCHES_CONFIG)
-# writes its own tables by hand (docs/how-it-works.md "Your own patch"). Modules whose names start with "_" under
-# omni_patches/patches/ are code shared by patches (each says by which), not patches.
+# writes its own tables by hand (docs/how-it-works.md "Your own patch").
 """
 _MARKERS = re.compile(r"(<!-- patch-table:start[^>]*-->\n)(.*?)(\n<!-- patch-table:end -->)", re.S)
 
@@ -89,12 +89,22 @@ def _value(value):
     raise TableError(f"cannot write {value!r} ({type(value).__name__}) as a registry value")
 
 
-def render_toml(entries, order=()):
-    """The text of ``patches.toml``: ``entries`` in ``order`` (ids), the ones not in it last, by id."""
+def shared_modules(patches_dir):
+    """The file names under ``patches_dir`` that are not patches: code patches share (``_*.py``, the package
+    ``__init__`` aside)."""
+    return sorted(n for n in os.listdir(patches_dir) if n.startswith("_") and n.endswith(".py") and n != "__init__.py")
+
+
+def render_toml(entries, order=(), shared=()):
+    """The text of ``patches.toml``: ``entries`` in ``order`` (ids), the ones not in it last, by id; ``shared``
+    (:func:`shared_modules`) named in the header."""
     rank = {pid: n for n, pid in enumerate(order)}
     ordered = sorted(entries, key=lambda e: (rank.get(e["id"], len(rank)), e["id"]))
     blocks = ["\n".join(["[[patch]]", *(f"{k} = {_value(v)}" for k, v in e.items())]) for e in ordered]
-    return HEADER + "\n" + "\n\n".join(blocks) + "\n"
+    note = "Code patches share, not patches (each module's docstring says by which): " + ", ".join(
+        f"omni_patches/patches/{name}" for name in shared) + "."
+    header = HEADER + "".join(f"# {line}\n" for line in textwrap.wrap(note, 114)) if shared else HEADER
+    return header + "\n" + "\n\n".join(blocks) + "\n"
 
 
 def declared_order(path):
@@ -129,8 +139,9 @@ def registry_markdown(reg=None, summaries=None):
 def generated(root):
     """``{path: text}``: what ``patches.toml`` and ``README.md`` under the checkout ``root`` must hold."""
     toml_path, readme_path = os.path.join(root, "patches.toml"), os.path.join(root, "README.md")
-    found = module_entries(os.path.join(root, "omni_patches", "patches"))
-    toml_text = render_toml([entry for entry, _ in found], declared_order(toml_path))
+    patches_dir = os.path.join(root, "omni_patches", "patches")
+    found = module_entries(patches_dir)
+    toml_text = render_toml([entry for entry, _ in found], declared_order(toml_path), shared_modules(patches_dir))
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:  # the README table is rendered from the registry just generated
