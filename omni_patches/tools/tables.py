@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import textwrap
 
 from .. import flags, prose, registry
@@ -45,7 +46,8 @@ class TableError(ValueError):
 def module_entry(path, package="omni_patches.patches"):
     """``(table, record)``: the ``[[patch]]`` table (a dict, ``id`` first) that the module at ``path`` declares, and
     the fields of its record (:func:`omni_patches.prose.parse`), both read from the file."""
-    text = open(path, encoding="utf-8").read()
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
     name = os.path.splitext(os.path.basename(path))[0]
     doc = prose.docstring(text) or ""
     pid = doc.split("\n", 1)[0].partition(":")[0].strip()
@@ -142,8 +144,6 @@ def generated(root):
     patches_dir = os.path.join(root, "omni_patches", "patches")
     found = module_entries(patches_dir)
     toml_text = render_toml([entry for entry, _ in found], declared_order(toml_path), shared_modules(patches_dir))
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:  # the README table is rendered from the registry just generated
         fresh = os.path.join(tmp, "patches.toml")
         with open(fresh, "w", encoding="utf-8") as fh:
@@ -153,7 +153,8 @@ def generated(root):
         if bad:
             raise TableError("the generated registry is not valid: " + "; ".join(bad))
         table = registry_markdown(reg, {entry["id"]: rec["summary"] for entry, rec in found})
-    readme = open(readme_path, encoding="utf-8").read()
+    with open(readme_path, encoding="utf-8") as fh:
+        readme = fh.read()
     if not _MARKERS.search(readme):
         raise TableError(f"{readme_path}: lacks the patch-table markers")
     readme = _MARKERS.sub(lambda m: m.group(1) + table + m.group(3), readme, count=1)
@@ -174,15 +175,16 @@ def main(argv=None):
     stale = []
     for path, text in want.items():
         try:
-            current = open(path, encoding="utf-8").read()
+            with open(path, encoding="utf-8") as fh:
+                if fh.read() == text:
+                    continue
         except OSError:
-            current = None
-        if current == text:
-            continue
+            pass  # no such file yet: written
         stale.append(path)
-        if args.write:
-            with open(path, "w", encoding="utf-8") as fh:
+        if args.write:  # whole or not at all: a reader never sees half a registry
+            with open(path + ".part", "w", encoding="utf-8") as fh:
                 fh.write(text)
+            os.replace(path + ".part", path)
     for path in stale:
         print(f"{'wrote' if args.write else 'out of date'}: {os.path.relpath(path, args.root)}")
     if not stale:
