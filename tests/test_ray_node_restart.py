@@ -123,3 +123,57 @@ def test_a_node_that_starts_is_started_once(cluster, tmp_path):
     c = cluster("ok")
     c.start_node(ray_cluster.NODE_IP, head=False)
     assert len(starts(tmp_path)) == 1 and c.restarts == []
+
+
+# -- a process is its pid and its start time (pid_max 32,768: the suite wraps it within minutes) --------------------
+def test_a_pid_that_now_names_another_process_is_neither_running_nor_signalled(mocker):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc = ray_cluster.identity(child.pid)
+        assert proc == (child.pid, ray_cluster.proc_stat(child.pid)[2]) and ray_cluster.pid_running(proc)
+        later = (child.pid, proc[1] + 1)  # the same pid, started at another time: another process
+        assert not ray_cluster.pid_running(later) and ray_cluster.pid_running(child.pid)
+        kill = mocker.spy(os, "kill")
+        ray_cluster.signal_if_same(later, signal.SIGTERM)
+        assert kill.call_count == 0 and child.poll() is None
+        ray_cluster.signal_if_same(proc, signal.SIGTERM)
+        assert kill.call_count == 1 and child.wait(10) == -signal.SIGTERM
+        assert not ray_cluster.pid_running(proc) and ray_cluster.identity(child.pid) is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+REAPER_CHILD = textwrap.dedent('''\
+    import json, os, subprocess, sys
+    sys.path.insert(0, {tests!r})
+    from support import ray_cluster as rc
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # of this session
+    real = rc.proc_stat
+
+    def stat(pid):
+        """Once the sleeper has ended, its pid is another session's running process (what pid reuse does)."""
+        found = real(pid)
+        if pid == sleeper.pid and (found is None or found[0] == "Z"):
+            return ("S", os.getsid(0) + 1, (found[2] if found else 0) + 1)
+        return found
+
+    rc.proc_stat = stat
+    out = rc.Reaper().reap()
+    sleeper.wait()
+    print(json.dumps({{"sleeper": sleeper.pid, "reaped": out}}))
+''')
+
+
+def test_the_reaper_counts_as_left_only_its_own_processes(tmp_path):
+    """The Ray tier's clean-up (``Reaper.reap``, which ends a whole session: run in a session of its own) ends its
+    sleeper; by the end of its loop that pid names another session's process: not left behind (CI 2026-12-07 said
+    three pids were left, each another test's process by then)."""
+    script = tmp_path / "reaper_child.py"
+    script.write_text(REAPER_CHILD.format(tests=os.path.dirname(os.path.dirname(ray_cluster.__file__))))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["reaped"]["killed"] == 1 and result["reaped"]["left"] == [], result

@@ -223,6 +223,19 @@ def patch_states(record: dict) -> dict:
     return {k: v["state"] for k, v in record["patches"].items()}
 
 
+def test_layout_facts_are_read_where_ranks_wrote_them_onto_one_line():
+    """Four ranks write to one server log at once: a fact may stand right after another rank's, before that one's
+    newline (CI 2026-12-07: ``Extra data`` from json on such a line). Each fact is read, whole, once."""
+    tag = moe_standins.LAYOUT_TAG
+    fact = {r: json.dumps({"pid": 100 + r, "rank": r, "experts": [2 * r, 2 * r + 1], "ep_rank": r, "ep_size": 4})
+            for r in range(4)}
+    log = (f"(Worker_TP2 pid=102) {tag} {fact[2]}(Worker_TP3 pid=103) {tag} {fact[3]}\n\n"
+           f"INFO noise {{not json}}\n(Worker_TP0 pid=100) {tag} {fact[0]}\n{tag} {fact[1]}\n")
+    facts = moe_standins.layout_facts(log)
+    assert [f["rank"] for f in facts] == [0, 1, 2, 3] and facts[3] == json.loads(fact[3])
+    assert moe_standins.layout_facts("no facts here\n") == []
+
+
 # -- one worker, shim on ------------------------------------------------------------------------------------------
 def test_one_worker_serves_an_image_with_contrast(run):
     r = run.case("one_worker")

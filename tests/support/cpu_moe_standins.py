@@ -142,7 +142,13 @@ def layout_of(layer) -> dict:
 
 def layout_facts(log_text: str) -> list[dict]:
     """Each rank's :func:`layout_of` facts, read from the :data:`LAYOUT_TAG` lines of a server's log, by rank."""
-    facts = [json.loads(ln[ln.index(LAYOUT_TAG):].split(" ", 1)[1]) for ln in log_text.splitlines() if LAYOUT_TAG in ln]
+    # Every tag, wherever it stands: ranks write to one log at once, so a line may hold two of them (CI 2026-12-07:
+    # rank 3's fact right after rank 2's, before rank 2's newline); each fact is one write, whole.
+    decoder, facts, at = json.JSONDecoder(), [], log_text.find(LAYOUT_TAG)
+    while at != -1:
+        fact, end = decoder.raw_decode(log_text, at + len(LAYOUT_TAG) + 1)
+        facts.append(fact)
+        at = log_text.find(LAYOUT_TAG, end)
     return sorted(facts, key=lambda f: (f["rank"] is None, f["rank"] or 0))
 
 
@@ -163,7 +169,8 @@ def install_in_process() -> None:
     import wrapt
 
     def log_layout(layer):
-        print(f"{LAYOUT_TAG} {json.dumps(layout_of(layer))}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{LAYOUT_TAG} {json.dumps(layout_of(layer))}\n")  # one write, its newline in it
+        sys.stderr.flush()
 
     def start(_module):
         calls: dict = {}

@@ -242,8 +242,11 @@ def tail(work, name, n=80):
 
 def run_scenario(cluster, name, *, while_serving=None, before_stop=None, **env):
     proc, out, stop = cluster.driver(name, **env)
+    procs = []
     try:
         result = cluster.wait_result(proc, out, name)
+        # The workers as they are now, serving (the driver waits for the stop file): their identities, not pids.
+        procs = [i for i in (identity(w["pid"]) for w in result.get("workers", [])) if i is not None]
         if while_serving is not None:
             result["while_serving"] = while_serving()
         if before_stop is not None:
@@ -257,8 +260,7 @@ def run_scenario(cluster, name, *, while_serving=None, before_stop=None, **env):
             result_rc = proc.wait(30)
     result["driver_exit"] = result_rc
     # Ray ends the job's workers after the driver: wait until they are gone, so that what is read next is final.
-    pids = [w["pid"] for w in result.get("workers", [])]
-    result["workers_ended"] = bool(wait_until(lambda: not any(pid_running(p) for p in pids), 60))
+    result["workers_ended"] = bool(wait_until(lambda: not any(pid_running(i) for i in procs), 60))
     # vLLM's warning when it replaces a variable a worker already had (Ray forwards worker logs to the driver).
     with open(os.path.join(cluster.work, f"{name}.log"), errors="replace") as fh:
         result["overwrites"] = sorted({line.split("Overwriting environment variable ", 1)[1].strip()
@@ -269,8 +271,9 @@ def run_scenario(cluster, name, *, while_serving=None, before_stop=None, **env):
 def kill_worker(result, ip):
     """SIGKILL the instance's worker on ``ip`` (what the OOM killer does): no exit handler of it runs."""
     pid = next(w["pid"] for w in result["workers"] if w["node_ip"] == ip)
+    proc = identity(pid)
     os.kill(pid, signal.SIGKILL)
-    result["killed"] = {"pid": pid, "ended": bool(wait_until(lambda: not pid_running(pid), 30, 0.2))}
+    result["killed"] = {"pid": pid, "ended": bool(wait_until(lambda: not pid_running(proc), 30, 0.2))}
 
 
 def wait_until(pred, timeout, step=1.0):
@@ -284,18 +287,9 @@ def wait_until(pred, timeout, step=1.0):
 
 # -- clean-up: this session's processes and the shared memory they mapped ---------------------------------
 def session_pids(sid):
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                fields = fh.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # field 6 of stat: session id
-            out.append(int(name))
-    return out
+    """The pids of session ``sid`` but this process's."""
+    pids = (int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid())
+    return [pid for pid in pids if (proc_stat(pid) or (None, None))[1] == sid]
 
 
 def mapped_shm(pids):
@@ -340,19 +334,17 @@ class Reaper:
         self._stop.set()
         self._thread.join(5)
         self.look()
-        killed = set()
+        killed = set()  # identities: a pid that ended may be another session's process by the end of the loop
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10), (signal.SIGKILL, 5)):
-            pids = [p for p in session_pids(self.sid) if pid_running(p)]  # again: a dying parent may have spawned
-            killed.update(pids)
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            # listed again each round: a dying parent may have spawned
+            procs = [i for i in map(identity, session_pids(self.sid)) if i is not None and pid_running(i)]
+            killed.update(procs)
+            for proc in procs:
+                signal_if_same(proc, sig)
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(pid_running(p) for p in pids):
+            while time.monotonic() < deadline and any(pid_running(i) for i in procs):
                 time.sleep(0.2)
-        pids = sorted(killed)
+        pids = sorted({pid for pid, _ in killed})
         self.pids_seen.update(pids)
         named = {os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm") if _ours_by_name(n, self)}
         ours = sorted(p for p in self.shm_seen | named if os.path.basename(p) not in self.shm_before)
@@ -363,7 +355,8 @@ class Reaper:
                 removed.append(path)
             except FileNotFoundError:  # its owner cleaned up after itself
                 pass
-        return {"killed": len(pids), "left": [p for p in pids if pid_running(p)], "shm_of_run": ours,
+        return {"killed": len(pids), "left": sorted(pid for pid, _ in killed if pid_running((pid, _))),
+                "shm_of_run": ours,
                 "shm_removed": removed, "shm_left": [p for p in ours if os.path.exists(p)]}
 
 
@@ -388,24 +381,48 @@ def end_processes_under(temp):
             return False
         return any(a == temp or a.endswith("=" + temp) or temp + os.sep in a for a in args)
 
-    pids = [p for p in session_pids(os.getsid(0)) if names_temp(p)]
+    procs = [i for i in map(identity, session_pids(os.getsid(0))) if i is not None and names_temp(i[0])]
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if wait_until(lambda: not any(pid_running(p) for p in pids), wait, 0.2):
+        for proc in procs:
+            signal_if_same(proc, sig)
+        if wait_until(lambda: not any(pid_running(i) for i in procs), wait, 0.2):
             break
-    return sorted(pids)
+    return sorted(pid for pid, _ in procs)
 
 
-def pid_running(pid):
+def proc_stat(pid):
+    """``(state, session id, start time in clock ticks)`` of ``pid`` from /proc, or None where there is none."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rpartition(")")[2].split()[0] != "Z"
+            fields = fh.read().rpartition(")")[2].split()  # from field 3 (state) on: session is 6, start time 22
     except OSError:
-        return False
+        return None
+    return fields[0], int(fields[3]), int(fields[19])
+
+
+def identity(pid):
+    """``(pid, start time)``: one process, which a pid alone is not once time passes (pid_max is 32,768 on the test
+    machines, and the suite's processes wrap it within minutes: a pid killed a few seconds ago may be another
+    test's process now, CI 2026-12-07). None where ``pid`` is gone."""
+    found = proc_stat(pid)
+    return None if found is None else (pid, found[2])
+
+
+def pid_running(proc):
+    """Whether ``proc`` -- a pid, or an :func:`identity` to be sure it is the same process -- is alive (a zombie
+    is not: it has ended and awaits its reaper)."""
+    pid, started = proc if isinstance(proc, tuple) else (proc, None)
+    found = proc_stat(pid)
+    return found is not None and found[0] != "Z" and started in (None, found[2])
+
+
+def signal_if_same(proc, sig):
+    """Send ``sig`` to the :func:`identity` ``proc`` only while its pid is still that process."""
+    if pid_running(proc):
+        try:
+            os.kill(proc[0], sig)
+        except ProcessLookupError:
+            pass
 
 
 def main(cfg_path):
