@@ -65,9 +65,13 @@ def cluster(tmp_path):
 
     yield make
     for line in (tmp_path / "runs").read_text().splitlines() if (tmp_path / "runs").exists() else ():
-        try:
-            os.kill(json.loads(line)["daemon"], signal.SIGKILL)
-        except ProcessLookupError:
+        pid = json.loads(line)["daemon"]
+        try:  # only while the pid is still our daemon (an ended one's pid may be another process by now)
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                ours = str(tmp_path).encode() in fh.read()
+            if ours:
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
             pass
     for c in made:
         c.log.close()
