@@ -31,7 +31,11 @@ FAKE_VLLM = textwrap.dedent('''\
         if what == "shim":
             exec(compile("raise TimeoutError('stage init timed out')", "/x/omni_patches/patches/p.py", "exec"))
 
-    if what != "serve":
+    if what == "child":  # serves, with a child process of its own (its pid in <runs>.child)
+        import subprocess
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        pathlib.Path({runs!r} + ".child").write_text(str(child.pid))
+    elif what != "serve":
         try:
             stage_init()
         except Exception:
@@ -159,3 +163,35 @@ def test_run_default_report_of_a_failed_start_names_its_cause(server, tmp_path, 
     assert facts["error"].rstrip().endswith("TimeoutError: stage init timed out")
     assert facts["log"] == str(s.log_path) and "seconds" in facts["stopped"]
     assert "image_s" not in facts and not (tmp_path / "x.png").exists()
+
+
+def test_stop_never_signals_nor_counts_a_pid_that_now_names_another_process(server, tmp_path, mocker):
+    """A process the server had, ended since: its pid may name another test's process by the time the server stops
+    (pid_max 32,768: the suite wraps it within minutes). ``stop`` knows its processes by pid and start time."""
+    import os
+    import signal
+    import time
+
+    s = server("child")
+    s.start()
+    s.wait_healthy(60)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "runs.child").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int((tmp_path / "runs.child").read_text())
+    assert child in s.processes()  # seen
+    os.kill(child, signal.SIGKILL)  # it ends (a zombie of the server, not reaped) ...
+    real = serving.proc_stat
+
+    def reused(pid):  # ... and its pid is another session's running process now
+        found = real(pid)
+        if pid == child:
+            return 1, 1, 1, "S", (found[4] if found else 0) + 1
+        return found
+
+    mocker.patch.object(serving, "proc_stat", side_effect=reused)
+    kill = mocker.spy(os, "kill")
+    stopped = s.stop(grace=5)
+    assert child not in stopped["remaining"] and child not in stopped["killed"], stopped
+    assert all(c.args[0] != child for c in kill.call_args_list), kill.call_args_list
+    assert stopped["remaining"] == []

@@ -302,13 +302,14 @@ def free_port() -> int:
 
 # -- /proc helpers (Linux) ------------------------------------------------------------------------------------
 def proc_stat(pid: int):
-    """(ppid, pgid, sid, state) of ``pid``, or None."""
+    """(ppid, pgid, sid, state, start time in clock ticks) of ``pid``, or None. A pid names one process only with
+    its start time: pid_max is 32,768 on the test machines and the suite's processes wrap it within minutes."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = raw[raw.rindex(")") + 2:].split()
-    return int(fields[1]), int(fields[2]), int(fields[3]), fields[0]
+    return int(fields[1]), int(fields[2]), int(fields[3]), fields[0], int(fields[19])
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -360,7 +361,7 @@ class Server:
         self.proc = None
         self.port = None
         self.started_at = self.healthy_after = None
-        self._seen: set[int] = set()
+        self._seen: dict[int, int] = {}  # pid -> start time of every process the server had: ended ones too
         self._shm: set[str] = set()
         self.failed_starts: list[dict] = []  # start-ups that exited before healthy and were retried (wait_healthy)
 
@@ -518,7 +519,7 @@ class Server:
                 if pid not in members and st[0] in members and st[3] != "Z":
                     members.add(pid)
                     changed = True
-        self._seen |= members
+        self._seen.update((pid, stats[pid][4]) for pid in members)
         out = {}
         for pid in sorted(members):
             self._shm |= _shm_held(pid)
@@ -562,7 +563,11 @@ class Server:
         return self.stopped
 
     def _live(self) -> list[int]:
-        return [pid for pid in self._seen | set(self.processes()) if (st := proc_stat(pid)) and st[3] != "Z"]
+        """The server's processes still running: each one seen, by pid *and* start time (a pid of an ended one may
+        be another test's process by now, which must never be signalled or counted)."""
+        self.processes()  # today's members join what was seen
+        return sorted(pid for pid, started in self._seen.items()
+                      if (st := proc_stat(pid)) and st[3] != "Z" and st[4] == started)
 
     def _kill_all(self) -> list[int]:
         killed = []
