@@ -355,8 +355,7 @@ class Reaper:
                 removed.append(path)
             except FileNotFoundError:  # its owner cleaned up after itself
                 pass
-        return {"killed": len(pids), "left": sorted(pid for pid, _ in killed if pid_running((pid, _))),
-                "shm_of_run": ours,
+        return {"killed": len(pids), "left": sorted(i[0] for i in killed if pid_running(i)), "shm_of_run": ours,
                 "shm_removed": removed, "shm_left": [p for p in ours if os.path.exists(p)]}
 
 
