@@ -19,10 +19,6 @@ BEFORE_THE_KIT = frozenset({
     "ascend-execute-model-timeout", "vllm-moe-lora-stale-token-ids"})
 
 
-#: A patch whose commit also added its benchmark (CONTRIBUTING: a hot path adds one to bench/).
-WROTE_A_BENCHMARK = frozenset({"ascend-moe-lora-argsort-fp32"})
-
-
 def _listed():
     """``(hand-written templates, generated, optional)`` from the marked block of CONTRIBUTING.md."""
     block = re.search(r"<!-- add-a-patch:files -->(.*?)<!-- /add-a-patch:files -->", CONTRIBUTING.read_text(), re.S)
@@ -79,6 +75,7 @@ def test_the_commit_that_added_a_patch_touched_only_the_listed_files(pid):
                and not any(p == o or (o.endswith("/") and p.startswith(o)) for o in optional)]
     assert not outside, (f"{pid}: its commit {commit[:10]} touched {outside} by hand; CONTRIBUTING.md's "
                          f"'How to add a patch' lists {sorted(allowed_hand)}")
-    # At most four hand-written: the listed three and one optional file (the patches of issue 37, before the
-    # registry table moved into the module, also wrote patches.toml by hand: it is generated now).
-    assert len([p for p in touched if p not in generated]) <= 4 or pid in WROTE_A_BENCHMARK, touched
+    # At most four hand-written files for the patch itself: the listed three and its docs section (a benchmark of a
+    # hot path is a deliverable of its own, CONTRIBUTING "Benchmarks"; the patches of issue 37 also wrote
+    # patches.toml by hand, before the registry table moved into the module: it is generated now).
+    assert len([p for p in touched if p not in generated and not p.startswith("bench/")]) <= 4, touched

@@ -122,10 +122,9 @@ def declared_order(path):
         return []
 
 
-def registry_markdown(reg=None, summaries=None):
-    """The README's patch table, generated from the registry (tests keep the README in sync); ``summaries`` (id ->
-    text) where the records are read from other files than the modules the registry finds."""
-    reg = reg or registry.load([registry.builtin_path()])
+def registry_markdown(reg, summaries=None):
+    """The README's patch table, generated from the registry ``reg``; ``summaries`` (id -> text) where the records
+    are read from other files than the modules the registry finds."""
     summaries = summaries or {}
     rows = ["| patch | switch (default) | applies to | fixed upstream in | what it fixes |",
             "|---|---|---|---|---|"]
