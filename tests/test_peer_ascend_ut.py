@@ -48,3 +48,17 @@ def test_the_patch_was_applied_and_exercised(release):
     st = runs[True]["status"]
     assert st["state"] == "applied", st
     assert st["changed"] and all(n > 0 for n in st["calls"].values()), st  # upstream's tests call the patched method
+
+
+def test_upstreams_session_does_not_take_this_sessions_pytest_options(mocker, monkeypatch):
+    """Upstream's suite runs as a pytest session of its own: ``PYTEST_ADDOPTS`` / ``PYTEST_PLUGINS`` of the session
+    that starts it (a ``-p`` plugin only this interpreter imports, ``-n auto``) stay out of its environment."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p only_this_session_has_it -n auto")
+    monkeypatch.setenv("PYTEST_PLUGINS", "only_this_session_has_it")
+    ran = mocker.patch.object(ascend_peer.subprocess, "run",
+                              return_value=ascend_peer.subprocess.CompletedProcess([], 0, "", ""))
+    release = sorted(ascend_peer.RELEASES)[0]
+    out = ascend_peer.run(release, shim=True)
+    env = ran.call_args.kwargs["env"]
+    assert "PYTEST_ADDOPTS" not in env and "PYTEST_PLUGINS" not in env, env
+    assert env["OMNI_PATCHES"] == "1" and out["rc"] == 0

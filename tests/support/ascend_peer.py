@@ -132,6 +132,10 @@ def run(release: str, *, shim: bool, paths: list[str] | None = None, timeout: in
         (Path(tmp) / "omni_peer_status.py").write_text(_PLUGIN)
         (Path(tmp) / f"{TVFIX_MODULE}.py").write_text(TVFIX_SOURCE)
         env = clean_env(OMNI_PEER_PATCH=PATCH_ID, OMNI_PEER_STATUS=str(Path(tmp) / "status.json"))
+        # Upstream's suite is a pytest session of its own: the options and plugins this session was started with
+        # (``PYTEST_ADDOPTS=-n auto``, a ``-p`` plugin only this interpreter can import) are not its.
+        for name in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
+            env.pop(name, None)
         wheels.keep_bytecode(env)
         # The repository root stays off sys.path: upstream's conftest imports its own top-level `tests` package.
         env.update({"PYTHONPATH": os.pathsep.join([tmp, *deps]),
