@@ -73,18 +73,15 @@ def ensure_deps(vllm_version: str = "0.22.1") -> Path:
     return deps_dir(name, deps, no_deps=False, check="import torch, msgspec, zmq, transformers, urllib3")
 
 
-def run_worlds(paths, worlds: list[dict], *, setup: list[str] | None = None, timeout: float | None = None,
-               start_method: str = "forkserver") -> list[list[dict]]:
+def run_worlds(paths, worlds: list[dict], *, timeout: float | None = None) -> list[list[dict]]:
     """Several worlds one after the other in one driver (:func:`support.worlds.run_worlds`; its forkserver imports
     torch, vLLM and vllm-omni once for all of them). ``paths``: the ranks' ``sys.path`` head (the EP tier's
     release, ep_sandbox.py). ``worlds``: dicts with ``world_size``, ``scenario`` ("module:function", called
-    ``(rank, world_size, params)``) and ``params``, optionally their own ``setup`` hooks (else ``setup``).
-    ``start_method``: "forkserver" (~4x faster on 2 cores) or "spawn"."""
+    ``(rank, world_size, params)``) and ``params``, optionally their own ``setup`` hooks."""
     from support import worlds as driver
 
-    return driver.run_worlds(paths, [{"setup": list(setup or []), **w} for w in worlds], preload=PRELOAD,
-                             timeout=timeout or PARENT_TIMEOUT_S, world_timeout=WORLD_TIMEOUT_S,
-                             grace_after_error=GRACE_AFTER_ERROR_S, start_method=start_method)
+    return driver.run_worlds(paths, worlds, preload=PRELOAD, timeout=timeout or PARENT_TIMEOUT_S,
+                             world_timeout=WORLD_TIMEOUT_S, grace_after_error=GRACE_AFTER_ERROR_S)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -51,15 +51,10 @@ _libs: list = []  # keep torch.library.Library objects alive
 def _reset_dict() -> dict[str, int]:
     return {
         "npu_matmuls": 0,  # mm / addmm / bmm / addmm_ executed on npu
-        "npu_matmul_flops": 0,  # 2*m*n*k summed over those
-        "npu_cats": 0,
-        "npu_allocs": 0,  # empty / empty_strided on npu that succeeded
         "npu_alloc_failures": 0,  # allocations refused in broken mode
         "h2d_copies": 0,
         "h2d_bytes": 0,
-        "d2h_copies": 0,
         "d2h_bytes": 0,
-        "npu_ops": 0,  # every npu kernel call
     }
 
 
@@ -129,7 +124,6 @@ def _alloc(size, dtype, stride=None) -> torch.Tensor:
         raise RuntimeError("fake npu (broken mode): device allocation failed")
     dtype = dtype or torch.get_default_dtype()
     data = torch.empty_strided(size, stride, dtype=dtype) if stride is not None else torch.empty(size, dtype=dtype)
-    _bump("npu_allocs")
     return _wrap(data)
 
 
@@ -150,11 +144,7 @@ def install(*, broken: bool | None = None) -> None:
 
     def reg(name):
         def deco(fn):
-            def counted(*a, **k):
-                _bump("npu_ops")
-                return fn(*a, **k)
-
-            lib.impl(name, counted, key)
+            lib.impl(name, fn, key)
             return fn
 
         return deco
@@ -175,7 +165,6 @@ def install(*, broken: bool | None = None) -> None:
         src_raw = raw(src) if src_npu else src
         nbytes = src_raw.numel() * src_raw.element_size()
         if src_npu and not dst_npu:
-            _bump("d2h_copies")
             _bump("d2h_bytes", nbytes)
             dst.copy_(src_raw)
         else:
@@ -190,28 +179,24 @@ def install(*, broken: bool | None = None) -> None:
         return _copy_from(src, dst)
 
     # --- matmuls (counted) --------------------------------------------------------------
-    def _count_mm(m, k, n, batch=1):
-        _bump("npu_matmuls")
-        _bump("npu_matmul_flops", 2 * m * k * n * batch)
-
     @reg("mm")
     def _mm(a, b):
-        _count_mm(a.shape[0], a.shape[1], b.shape[1])
+        _bump("npu_matmuls")
         return _wrap(torch.mm(raw(a), raw(b)))
 
     @reg("bmm")
     def _bmm(a, b):
-        _count_mm(a.shape[1], a.shape[2], b.shape[2], a.shape[0])
+        _bump("npu_matmuls")
         return _wrap(torch.bmm(raw(a), raw(b)))
 
     @reg("addmm")
     def _addmm(inp, a, b, *, beta=1, alpha=1):
-        _count_mm(a.shape[0], a.shape[1], b.shape[1])
+        _bump("npu_matmuls")
         return _wrap(torch.addmm(_unwrap(inp), raw(a), raw(b), beta=beta, alpha=alpha))
 
     @reg("addmm_")
     def _addmm_(inp, a, b, *, beta=1, alpha=1):
-        _count_mm(a.shape[0], a.shape[1], b.shape[1])
+        _bump("npu_matmuls")
         raw(inp).addmm_(raw(a), raw(b), beta=beta, alpha=alpha)
         return inp
 
@@ -246,7 +231,6 @@ def install(*, broken: bool | None = None) -> None:
 
     @reg("cat")
     def _cat(tensors, dim=0):
-        _bump("npu_cats")
         return _wrap(torch.cat([raw(t) for t in tensors], dim))
 
     # --- elementwise --------------------------------------------------------------------

@@ -177,7 +177,7 @@ def ensure_torch_npu() -> None:
 
 def install_finder(root: Path | None = None) -> Finder:
     """Stand-ins for every ``vllm``/``vllm_ascend``/``torch_npu`` module that ``root`` does not hold as a file (once,
-    behind the import-hook finders of wrapt / omni_patches), with the behaviour of :func:`_overrides`."""
+    behind the import-hook finders of wrapt / omni_patches), with the behaviour of :func:`overrides`."""
     finder = Finder("ascend-finalize", _ROOTS, root, overrides).add()
     ensure_torch_npu()
     return finder

@@ -56,14 +56,14 @@ SCENARIOS = {
 # --------------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------------
-def run_world(job: dict, *, timeout: float = 420, env: dict | None = None) -> list[dict]:
+def run_world(job: dict, *, timeout: float = 420) -> list[dict]:
     """Run ``job`` (mode, releases or sandbox, ...) in a fresh driver process; return the 4 ranks' dicts."""
     from support import worlds
 
     world = {"world_size": WORLD, "scenario": f"{__name__}:rank_scenario", "params": job,
              "prepare": f"{__name__}:with_layouts"}
     return worlds.run_worlds(job.get("sys_path", []), [world], preload=["torch", "torch.distributed"],
-                             timeout=timeout + 25, grace_after_error=10, env=env)[0]
+                             timeout=timeout + 25, grace_after_error=10)[0]
 
 
 # --------------------------------------------------------------------------------------------------

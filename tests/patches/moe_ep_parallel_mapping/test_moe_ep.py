@@ -14,7 +14,7 @@ the comparison can fail), and with EP off or non-MoE + EP the patched releases e
 
 How the all2all capture is observed: vLLM's ``All2AllManagerBase.__init__`` reads ``get_dp_group()`` /
 ``get_tp_group()`` when the EP group's device communicator is built; on CPU the communicator builds a manager
-only when the vLLM config's DP > 1. In every rank ``tests/support/ep_equivalence.install_probe`` wraps the
+only when the vLLM config's DP > 1. In every rank ``ep_equivalence.install_probe`` (this folder) wraps the
 platform communicator class's ``__init__`` with ``unittest.mock.patch.object``: after an EP communicator is
 built it records the real manager (if any) and constructs vLLM's own ``All2AllManagerBase`` on the same
 ``cpu_group`` at that same moment (the probe). :func:`test_all2all_probe_agrees_with_the_real_manager` shows
