@@ -90,6 +90,33 @@ def test_the_public_harness_runs_an_overlay_patch(tmp_path, monkeypatch):
         testing.check("my_case", "sideways", 0)
 
 
+def test_a_patch_is_checked_without_the_siblings_that_wrap_its_targets(tmp_path, monkeypatch):
+    """A second overlay patch wraps the same function: the contract of the first needs nothing of its case about
+    it (its child switches the sibling off: undo restores the original objects, the skipped parts change
+    nothing), and a case that switches the sibling on keeps it on (then the sibling's wrapper, installed after
+    the patch's, stands in the way of its undo)."""
+    from omni_patches.testing.child import siblings
+    from support.fakes import entry, fake_omni, registry_text
+
+    fake_omni(tmp_path / "affected", "0.28.0")
+    fake_omni(tmp_path / "fixed", "0.30.0")
+    (tmp_path / "overlay.toml").write_text(registry_text(entry(), entry("fake-double-too")))
+    (tmp_path / "sib_case.py").write_text(OVERLAY_CASE.format(site=str(tmp_path)))
+    monkeypatch.setenv("OMNI_PATCHES_CONFIG", str(tmp_path / "overlay.toml"))
+    monkeypatch.setenv("OMNI_TEST_CACHE", str(tmp_path / "cache"))
+    specs = registry.load([registry.builtin_path(), tmp_path / "overlay.toml"]).specs
+    assert siblings(specs, specs["fake-double"]) == ["fake-double-too"]
+    assert "fake-double-too" not in siblings(specs, specs["omni-sleep-validate-first"])
+    tests = Path(__file__).parent
+    for kind in ("affected", "skipped"):
+        assert testing.check("sib_case", kind, 0, pythonpath=[tmp_path, tests])["ok"]
+    (tmp_path / "sib_case.py").write_text(OVERLAY_CASE.format(site=str(tmp_path)).replace(
+        'Env("fake-omni-0.28.0", lambda: [SITE + "/affected"])',
+        'Env("fake-omni-0.28.0", lambda: [SITE + "/affected"], env={"OMNI_PATCHES_FAKE_DOUBLE_TOO": "1"})'))
+    with pytest.raises(AssertionError, match="replaced by something else after fake-double patched it"):
+        testing.check("sib_case", "affected", 0, pythonpath=[tmp_path, tests])
+
+
 def test_an_edited_copy_leaves_its_source_as_it_was(tmp_path, monkeypatch):
     """``Env.edited`` hard-links the source tree: the edited file and the copy's ``.complete`` marker are files of
     the copy's own, so the source (a finished cache entry, with its own marker) reads as before and stays

@@ -7,7 +7,7 @@ import os
 import sys
 
 import omni_patches
-from omni_patches import engine, registry, wrapping
+from omni_patches import engine, flags, registry, wrapping
 from omni_patches.states import State
 
 DRIFTED_KIND = "drifted"
@@ -24,6 +24,15 @@ def _import_targets(spec, env):
                 raise
             missing[name] = f"{type(exc).__name__}: {exc}"
     return mods, missing
+
+
+def siblings(specs, spec):
+    """The other patches that wrap one of ``spec``'s targets (those it ``needs`` aside): the contract checks a patch
+    alone, so they are switched off in its child unless the case's environment says otherwise. What a patch does
+    beside its siblings is its own test's to show."""
+    targets = set(spec.targets)
+    return sorted(other.id for other in specs.values() if other.id != spec.id and other.id not in spec.needs
+                  and targets & set(other.targets))
 
 
 def _snapshot(mods):
@@ -163,6 +172,8 @@ def main(case_ref, kind, index):
         raise SystemExit(f"unknown kind {kind}")
     sys.path[:0] = env.paths()
     os.environ.update(env.env)
+    for other in siblings(registry.load().specs, spec):
+        os.environ.setdefault(flags.env_name(other), "0")
     os.environ["OMNI_PATCHES"] = "1"
     report = {"patch": case.patch_id, "kind": asked, "env": env.label}
 
