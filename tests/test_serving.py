@@ -36,7 +36,8 @@ together, each phase serving several cases, and the tests assert on what the pha
   path of every release's real loader is in ``test_fused_real_loader.py``), and -- where a default patch wraps
   that loader (``PATCHES_AFFECTED_LOADER``) -- the shim with its default patches and the bf16 LoRA. Elsewhere
   the default shim is stock on this path (the fused servers' records say so) and the ``replicated`` phase
-  already compares it with stock.
+  already compares it with stock. Last, omni-sleep-validate-first: a sleep naming a stage the server does not have,
+  then an image request, to stock and to a shim with the default patches together.
 
 ``status --all-processes`` of the replicated shim shows where each stage patch applies (``STAGE_PATCHES``: the API
 server, ``main``, and/or the ``StageDiffusionProc`` processes; ``skipped:version`` outside its range). Three of
@@ -94,6 +95,7 @@ PATCHES_AFFECTED_IDLE_ABORT = {"0.30.0"}  # omni-diffusion-idle-abort-terminal: 
 PATCHES_AFFECTED_STAGEPOOL = {"0.28.0", "0.30.0"}  # omni-stagepool-cancelled-submit: 0.21.0rc1-0.31.x
 PATCHES_AFFECTED_INIT_DEADLINE = {"0.28.0", "0.30.0"}  # omni-diffusion-stage-init-deadline: 0.24.0rc1-0.31.x
 PATCHES_AFFECTED_LOADER = {"0.28.0"}  # lora-accel-delta, the default patch on the start-up loader: 0.27.0rc1-0.29
+PATCHES_AFFECTED_VALIDATE = {"0.28.0", "0.30.0"}  # omni-sleep-validate-first: 0.28.0rc1-0.31.0rc1
 # The one stack that serves the fused fp32 LoRA too (the newest final): a server costs ~30 CPU-s, and the fp32 path
 # of the real loader of every release runs in tests/patches/lora_cpu_fused_delta/test_fused_real_loader.py.
 FP32_SERVED = "0.30.0"
@@ -277,6 +279,12 @@ class StackRun(serving.Steps):
                 if s.shim:
                     out[f"{key}_records"] = s.records()
                     out[f"{key}_log"] = s.log_text()
+            # omni-sleep-validate-first, last (stock's admission stays closed): stock and a shim with the default
+            # patches, together (stock's image waits out its deadline).
+            pair = {"stock": servers["stock"], "shim": servers["shim" if "shim" in servers else "bf16"]}
+            with concurrent.futures.ThreadPoolExecutor(len(pair)) as pool:
+                bad = {key: pool.submit(bad_sleep_then_image, s) for key, s in pair.items()}
+            out["bad_sleep"] = {key: fut.result() for key, fut in bad.items()}
         finally:
             out["logs"] = {key: s.log_tail(60) for key, s in servers.items()}
             with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:  # a stop is mostly waiting
@@ -291,6 +299,7 @@ SLEEP_WAKE = [("/v1/omni/sleep", {"stage_ids": [0], "level": 1}), ("/v1/omni/wak
 # takes < 1 s here.
 ADMISSION_DEADLINE_S = 10
 UNANSWERED = f"no answer within {ADMISSION_DEADLINE_S}s"
+BAD_STAGE = 5  # the servers run one stage (id 0)
 
 
 def timed_image(server, deadline, *, seed=0):
@@ -315,6 +324,13 @@ def timed_post(server, path, body, deadline):
     except OSError:  # the socket's timeout
         answer = {"status": None, "body": f"no answer within {deadline}s"}
     return {**answer, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def bad_sleep_then_image(server):
+    """A sleep naming a stage the one-stage server does not have, then whether an image request is answered."""
+    sleep = timed_post(server, "/v1/omni/sleep", {"stage_ids": [BAD_STAGE], "level": 1}, ADMISSION_DEADLINE_S)
+    image, seconds = timed_image(server, ADMISSION_DEADLINE_S)
+    return {"sleep": sleep, "image": image, "image_s": seconds}
 
 
 def sleep_then_wakeup(server):
@@ -812,3 +828,21 @@ def test_failed_sleep_then_wakeup_answers_as_the_fixed_release(run):
         assert "/v1/omni/sleep: 1 failure(s)" in reason and "/v1/omni/wakeup: 1 failure(s)" in reason, reason
     else:  # upstream's fixed release: the patch skips, stock is the reference itself
         assert sleep_wake_answers(stock) == FIXED_ANSWERS, stock
+
+
+# -- omni-sleep-validate-first: a sleep with a stage id the server does not have -------------------------------------
+def test_a_bad_sleep_wedges_stock_and_the_shim_answers_400_and_serves(run):
+    """The start-up servers, last. Stock 0.28.0 / 0.30.0: vLLM's own ValueError handler answers the bad sleep (400,
+    ``BadRequestError``), and the image request after it is never answered (admission closed). The shim answers as
+    0.32.0rc1's stock does (measured: its handler's 400, ``Bad Request``) and serves the image."""
+    r = run.phase("startup")["bad_sleep"]
+    print(f"\n{run.omni} bad sleep: {r}")
+    message = f"Invalid stage_ids [{BAD_STAGE}]; valid range is 0..0"
+    fixed = {"status": 400, "body": {"error": {"message": message, "type": "Bad Request", "param": None, "code": 400}}}
+    shim, stock = r["shim"], r["stock"]
+    assert {k: shim["sleep"][k] for k in fixed} == fixed and shim["image"] == "image", shim
+    if run.omni in PATCHES_AFFECTED_VALIDATE:
+        assert stock["sleep"]["body"]["error"] == {**fixed["body"]["error"], "type": "BadRequestError"}, stock
+        assert stock["image"] == UNANSWERED, stock
+    else:
+        assert {k: stock["sleep"][k] for k in fixed} == fixed and stock["image"] == "image", stock

@@ -5,10 +5,11 @@ Why:         AsyncOmni.sleep() closes frontend admission (``_paused = True``) an
              negative or not an int). The sleep fails, nothing was put to sleep, and ``_paused`` stays True:
              every later generate() waits on the pause condition, and wake_up() returns at "nothing is
              sleeping" before the code that reopens admission (POST /v1/omni/wakeup answers SKIPPED). One
-             ``POST /v1/omni/sleep {"stage_ids": [5]}`` on a one-stage server (a 500) hangs every request
-             after it until a valid sleep and wake_up, or a restart.
+             ``POST /v1/omni/sleep {"stage_ids": [5]}`` on a one-stage server (vLLM's ValueError handler answers
+             it 400) leaves every image request after it unanswered until a valid sleep and wake_up, or a
+             restart.
 Upstream:    vllm-omni 0.32.0rc1 validates first (async_omni.py: "Validate before touching admission state")
-             and its POST /v1/omni/sleep answers the ValueError with a 400 (the id check itself came with
+             and its POST /v1/omni/sleep raises the ValueError as an HTTPException(400) (the id check came with
              https://github.com/vllm-project/vllm-omni/pull/6084, after a review asked for a ValueError). The
              pull request of the fix is not in the index: the release files are the reference.
 Affected:    vllm-omni >=0.28.0rc1,<0.32.0rc1 (the first releases whose sleep() validates after pausing);
@@ -18,7 +19,8 @@ Affected:    vllm-omni >=0.28.0rc1,<0.32.0rc1 (the first releases whose sleep() 
 How:         AsyncOmni.sleep is wrapped (wrapt): the instance's own ``_split_stage_ids_by_type`` runs on the
              requested ids first; its ValueError is raised before the stock method runs (nothing paused), any
              other outcome runs the stock method unchanged. The API server's POST /v1/omni/sleep route endpoint
-             is wrapped so that a ValueError is a 400 with its message, as 0.32.0rc1 answers.
+             is wrapped to raise a ValueError as 0.32.0rc1 does, an HTTPException(400) with its message (stock's
+             reaches vLLM's own handler: a 400 of error type "BadRequestError", not "Bad Request").
 Remove when: the oldest supported vllm-omni is 0.32.0rc1 or later.
 """
 import dis
@@ -76,11 +78,11 @@ def _check_api(ctx):
     ctx.require_params(sleep, "request", "raw_request")
     names = set(getattr(getattr(sleep, "__code__", None), "co_names", ()))
     if "ValueError" in names:
-        ctx.fixed_upstream("omni_sleep answers a ValueError itself (a 400, 0.32.0rc1+)")
+        ctx.fixed_upstream("omni_sleep raises a ValueError as an HTTPException(400) itself (0.32.0rc1+)")
     if "sleep" not in names:
         ctx.drift("omni_sleep no longer calls the engine's sleep itself")
     ctx.resolve("HTTPException")
-    ctx.describe("api_server omni_sleep: a ValueError of the engine's sleep is left unanswered (a 500)")
+    ctx.describe("api_server omni_sleep: a ValueError of the engine's sleep is left to the server's handlers")
 
 
 def apply(ctx):

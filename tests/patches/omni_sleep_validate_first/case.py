@@ -101,8 +101,8 @@ def _http(api, module, bad):
         answer = {"status": 200, "body": str(asyncio.run(route.endpoint(model(stage_ids=bad, level=1), raw)))}
     except api.HTTPException as exc:
         answer = {"status": exc.status_code, "detail": exc.detail}
-    except Exception as exc:  # noqa: BLE001 - what FastAPI answers with a 500
-        answer = {"status": 500, "raised": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - left to the server's exception handlers (vLLM's: ValueError, a 400)
+        answer = {"raised": f"{type(exc).__name__}: {exc}"}
     return {**answer, "paused": bool(omni._paused), "api_sleeping": sorted(state.sleeping_stages)}
 
 
