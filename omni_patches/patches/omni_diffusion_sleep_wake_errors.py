@@ -26,6 +26,8 @@ import contextvars
 import functools
 import logging
 
+from ._routes import post_routes
+
 #: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
 TABLE = {
     "default": True,
@@ -296,22 +298,11 @@ def _check_api(ctx):
 
 
 def _apply_api(ctx):
-    """Wrap the endpoints of the router's two routes: FastAPI copies ``route.endpoint`` into the app when the server
-    starts (``app.include_router``), after this import; the module-level functions are not what it calls."""
-    routes = getattr(ctx.resolve("router"), "routes", None)
-    if not isinstance(routes, list):
-        if ctx.dry_run:  # an audit's skeleton of the file: no live router to look into
-            return ctx.describe("routes not inspected (no live router in a dry run of the file's shape)")
-        ctx.drift("api_server.router has no list of routes")
-    found = {}
-    for route in routes:
-        name = _ROUTES.get(getattr(route, "path", None))
-        if name and "POST" in (getattr(route, "methods", None) or ()) \
-                and getattr(route, "endpoint", None) is ctx.resolve(name):
-            found[name] = route
-    missing = sorted(set(_ROUTES.values()) - set(found))
-    if missing:
-        ctx.drift(f"api_server.router has no POST route to {', '.join(missing)}")
+    """Wrap the endpoints of the router's two routes (``_routes``: FastAPI calls ``route.endpoint``, not the
+    module-level functions)."""
+    found = post_routes(ctx, _ROUTES)
+    if found is None:
+        return None
     http_error = ctx.resolve("HTTPException")
     ctx.wrap(found["omni_sleep"], "endpoint", functools.partial(_omni_sleep, ctx.run, http_error))
     ctx.wrap(found["omni_wakeup"], "endpoint", functools.partial(_omni_wakeup, ctx.run, http_error))

@@ -27,6 +27,8 @@ import dis
 import functools
 import inspect
 
+from ._routes import post_routes
+
 #: Its ``[[patch]]`` table in patches.toml (generated from here: python -m omni_patches.tools.tables --write).
 TABLE = {
     "default": True,
@@ -109,31 +111,11 @@ async def _sleep(run, wrapped, instance, args, kwargs):
 
 
 def _apply_api(ctx):
-    """Wrap the endpoint of the router's POST /v1/omni/sleep route: FastAPI copies ``route.endpoint`` into the app
-    when the server starts, after this import (the module-level function is not what it calls). Another patch may
-    have wrapped that endpoint already: the route is found by what its wrappers wrap."""
-    routes = getattr(ctx.resolve("router"), "routes", None)
-    if not isinstance(routes, list):
-        if ctx.dry_run:  # an audit's skeleton of the file: no live router to look into
-            return ctx.describe("routes not inspected (no live router in a dry run of the file's shape)")
-        ctx.drift("api_server.router has no list of routes")
-    handler = ctx.resolve("omni_sleep")
-    found = [r for r in routes if getattr(r, "path", None) == SLEEP_ROUTE
-             and "POST" in (getattr(r, "methods", None) or ()) and _wraps(getattr(r, "endpoint", None), handler)]
-    if len(found) != 1:
-        ctx.drift(f"api_server.router has {len(found)} POST routes to omni_sleep at {SLEEP_ROUTE}")
-    ctx.wrap(found[0], "endpoint", functools.partial(_omni_sleep, ctx.run, ctx.resolve("HTTPException")))
-
-
-def _wraps(endpoint, handler):
-    """``endpoint`` is ``handler`` or a chain of wrappers (``__wrapped__``) around it."""
-    for _ in range(16):
-        if endpoint is handler:
-            return True
-        endpoint = getattr(endpoint, "__wrapped__", None)
-        if endpoint is None:
-            return False
-    return False
+    """Wrap the endpoint of the router's POST /v1/omni/sleep route (``_routes``: under omni-diffusion-sleep-wake-errors'
+    wrapper where that patch applied first)."""
+    found = post_routes(ctx, {SLEEP_ROUTE: "omni_sleep"})
+    if found is not None:
+        ctx.wrap(found["omni_sleep"], "endpoint", functools.partial(_omni_sleep, ctx.run, ctx.resolve("HTTPException")))
 
 
 async def _omni_sleep(run, http_error, wrapped, instance, args, kwargs):
