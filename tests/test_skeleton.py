@@ -151,3 +151,58 @@ def test_non_literal_defaults_keep_their_source_text(tmp_path):
                for name, p in inspect.signature(f).parameters.items() if p.default is not inspect.Parameter.empty}
     assert got == want and len(want) == 4, (got, want)
     assert want[("spans", "b")] == "dict(x=1,\r\n                          y=[2, 3])"
+
+
+LAZY = {
+    "__init__.py": "",
+    "target.py": "import skellazy.other\nfrom skellazy import helper\nfrom skellazy.dep import thing\n\n\n"
+                 "def f():\n    return thing()\n",
+    "other.py": "def o():\n    pass\n",
+    "helper.py": "def h():\n    pass\n",
+    "dep.py": "def thing():\n    pass\n",
+    "unused.py": "X = 1\n",
+    "broken.py": "def (:\n",
+}
+
+
+def test_imports_are_built_on_first_access_only(tmp_path, mocker):
+    """An audit parses only the files its patches reach: importing a skeleton builds that file (and its packages),
+    nothing it imports; each import binding, and any submodule of a skeleton package, is built when first used --
+    and a file that does not parse is an absent attribute there, not an error."""
+    pkg = tmp_path / "skellazy"
+    pkg.mkdir()
+    for name, text in LAZY.items():
+        (pkg / name).write_text(text)
+    builds = mocker.spy(skeleton.Loader, "exec_module")
+    with skeleton.Imports([(str(tmp_path), {"skellazy"})]):
+        target = importlib.import_module("skellazy.target")
+        assert sorted(m for m in sys.modules if m.startswith("skellazy")) == ["skellazy", "skellazy.target"]
+        assert builds.call_count == 2
+        assert target.skellazy.other.o.__qualname__ == "o"  # `import skellazy.other`: the package's submodule
+        assert target.helper.h.__module__ == "skellazy.helper"
+        assert target.thing.__module__ == "skellazy.dep"
+        package = sys.modules["skellazy"]
+        assert isinstance(package.unused.X, skeleton.Placeholder)  # a submodule no file imports
+        assert not hasattr(package, "broken") and not hasattr(package, "missing")
+        assert sorted(m for m in sys.modules if m.startswith("skellazy.")) == [
+            "skellazy.dep", "skellazy.helper", "skellazy.other", "skellazy.target", "skellazy.unused"]
+
+
+def test_what_a_build_looks_up_is_not_counted_as_consulted(tmp_path):
+    """A class whose base another skeleton imports from outside the audited files: building it (which now happens
+    when a patch first reaches it, after the audit cleared ``consulted``) records nothing; the patch's own look-up
+    of the outside name is recorded."""
+    pkg = tmp_path / "skelbuild"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "t.py").write_text("from skelbuild import a\n")
+    (pkg / "a.py").write_text("from skelbuild.b import Base\n\n\nclass K(Base):\n    pass\n")
+    (pkg / "b.py").write_text("from outside_the_audit import Base\n")
+    with skeleton.Imports([(str(tmp_path), {"skelbuild"})]):
+        t = importlib.import_module("skelbuild.t")
+        skeleton.consulted.clear()
+        assert t.a.K.__name__ == "K"
+        assert skeleton.consulted == set()
+        assert isinstance(sys.modules["skelbuild.b"].Base, skeleton.External)
+        assert skeleton.consulted == {"outside_the_audit.Base"}
+    skeleton.consulted.clear()
