@@ -253,3 +253,23 @@ def test_a_child_keeps_the_shims_settings_and_drops_its_switches(omni, monkeypat
     monkeypatch.setenv("OMNI_PATCHES", "1")
     monkeypatch.setenv("OMNI_PATCHES_LORA_ACCEL_DELTA", "0")
     assert omni.call(_shim_variables) == {"OMNI_PATCHES_STATE_DIR": os.environ["OMNI_PATCHES_STATE_DIR"]}
+
+
+def test_a_linked_copy_shares_the_release_files_and_its_edits_do_not(tmp_path):
+    """``Release.write(linked=True)`` (what ``wheels.tagless`` uses: a whole release tree per test) links the real
+    files instead of copying them; a tagless edit replaces its file, and the unpacked release keeps its text."""
+    import os
+
+    from omni_patches.testing.releases import release_root
+    from support import wheels
+
+    real = release_root("vllm-omni", "0.30.0") / ASYNC_OMNI
+    plain = Release("vllm-omni", "0.30.0", files=[ASYNC_OMNI], metadata=False).write(tmp_path / "plain")
+    assert not os.path.samefile(plain / ASYNC_OMNI, real)
+    before = real.read_text()
+    co = wheels.tagless(tmp_path, "vllm-omni", "0.30.0", "vllm_omni",
+                        ("entrypoints/async_omni.py", "class AsyncOmni", "class EditedOmni"))
+    edited, kept = co / ASYNC_OMNI, co / "vllm_omni/__init__.py"
+    assert os.path.samefile(kept, release_root("vllm-omni", "0.30.0") / "vllm_omni/__init__.py")
+    assert not os.path.samefile(edited, real) and "class EditedOmni" in edited.read_text()
+    assert real.read_text() == before and "class EditedOmni" not in before

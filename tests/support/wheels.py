@@ -140,13 +140,15 @@ def clean_uv_cache(uv_cache: Path) -> None:
 
 def tagless(dest: Path, dist: str, version: str, package: str, *edits: tuple[str, str, str]) -> Path:
     """What ``git archive <tag>`` gives for ``package`` of a release: its files without metadata, compiled code or
-    tags, as ``dest/<package>-<version>/<package>`` (returned: its parent, a ``--source`` root). A plain copy
-    (``Release.write``), so ``edits`` -- ``(path under the package, old, new)`` -- change it in place."""
-    co = Release(dist, version, packages=(package,), metadata=False).write(dest / f"{package}-{version}")
+    tags, as ``dest/<package>-<version>/<package>`` (returned: its parent, a ``--source`` root). Its files are
+    hard-linked to the unpacked release (``Release.write(linked=True)``); each of ``edits`` -- ``(path under the
+    package, old, new)`` -- replaces its file with the edited text, never writing through the link."""
+    co = Release(dist, version, packages=(package,), metadata=False).write(dest / f"{package}-{version}", linked=True)
     for rel, old, new in edits:
         path = co / package / rel
         text = path.read_text()
         assert old in text, (rel, old)
+        path.unlink()
         path.write_text(text.replace(old, new))
     return co
 
