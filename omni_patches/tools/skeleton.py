@@ -32,11 +32,11 @@ import types
 
 _MISSING = object()
 consulted = set()  # dotted names of External objects the patches looked at (reset by the caller)
-_building = [0]  # skeleton builds under way in this process: what a build looks up is not a patch's consultation
+_building = 0  # skeleton builds under way in this process: what a build looks up is not a patch's consultation
 
 
 def _consult(name):
-    if not _building[0]:
+    if not _building:
         consulted.add(name)
 
 
@@ -242,18 +242,19 @@ class _Builder:
         self.codes = _codes(compile(tree, self.file, "exec", dont_inherit=True), {})
         self.lines = _LINE.findall(source.decode("utf-8", "replace"))
         ns = vars(self.module)
-        _building[0] += 1  # a base class resolved here may pass through another skeleton's __getattr__
+        global _building
+        _building += 1  # a base class resolved here may pass through another skeleton's __getattr__
         try:
             self._body(tree.body, ns, "", top=True)
         finally:
-            _building[0] -= 1
+            _building -= 1
         imports, star, sources, name = self.imports, self.star, self.sources, self.name
 
         def __getattr__(attr):
             binding = imports.get(attr)
             if binding is not None:
                 value = _resolve(sources, binding, record=True)
-                if not _building[0]:  # kept once a patch looked it up (a look-up left to a build is not recorded)
+                if not _building:  # kept once a patch looked it up (a look-up left to a build is not recorded)
                     ns[attr] = value
                 return value
             for mod in star:
