@@ -235,7 +235,7 @@ class _Builder:
         """Fill the module from its file. Nothing it imports is built here: every import binding (and every
         submodule, through the module's ``__getattr__``) is resolved on first access, so an audit parses only the
         files its patches reach -- parsing is most of its time (the files Python would import along, vllm-omni's
-        whole tree for one target, made it 3-4x slower)."""
+        whole tree for one target, made an audit 5-20x slower: docs/audit.md)."""
         with open(self.file, "rb") as fh:
             source = fh.read()
         tree = ast.parse(source, self.file)
