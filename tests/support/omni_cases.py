@@ -8,13 +8,12 @@ FIXED = ("0.31.0rc1", "0.32.0rc1")  # upstream's fixed releases, for every omni 
 METADATA = "vllm_omni-{}.dist-info/METADATA"
 
 
-def sandboxes(paths, env: dict | None = None):
-    """``sandbox(version, env=None, **kw)``: the Env ``omni-<version>`` importing from ``paths(version)``, with
-    ``env`` (what every variant of the case sets) under the variant's own ``env``."""
-    common = dict(env or {})
+def sandboxes(paths):
+    """``sandbox(version, env=None, **kw)``: the Env ``omni-<version>`` importing from ``paths(version)``, with the
+    variant's own ``env`` (the contract's child switches off the sibling patches on the same targets itself)."""
 
     def sandbox(version, env=None, **kw):
-        return Env(f"omni-{version}", lambda: paths(version), env={**common, **(env or {})}, **kw)
+        return Env(f"omni-{version}", lambda: paths(version), env=dict(env or {}), **kw)
 
     return sandbox
 

@@ -28,10 +28,7 @@ def release(version):
 
 
 def sandbox(version, env=None):
-    # The sibling patch on the same module (omni-diffusion-idle-abort-terminal) is switched off: the contract
-    # compares the whole target module before, during and after this patch alone.
-    return release(version).env(label=f"omni-{version}",
-                                env={"OMNI_PATCHES_OMNI_DIFFUSION_IDLE_ABORT_TERMINAL": "0", **(env or {})})
+    return release(version).env(label=f"omni-{version}", env=env)
 
 
 # -- what stands in for the hardware ---------------------------------------------------------------------------------

@@ -240,10 +240,7 @@ def sandbox(version, env=None):
     """The contract Env of ``version``: its release environment, built when a child first needs it."""
     from omni_patches.testing import Env
 
-    # The sibling patch on the same module (omni-diffusion-engine-shutdown-rpcs wraps _busy_loop) is switched off:
-    # the contract compares the whole target module before, during and after this patch alone.
-    return Env(f"omni-{version}", lambda: release(version).paths(),
-               {"OMNI_PATCHES_OMNI_DIFFUSION_ENGINE_SHUTDOWN_RPCS": "0", **(env or {})})
+    return Env(f"omni-{version}", lambda: release(version).paths(), dict(env or {}))
 
 
 def _scheduler_without_pending_accessor():

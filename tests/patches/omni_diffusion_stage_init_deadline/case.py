@@ -92,14 +92,9 @@ def release(version, **kw):
                    passthrough=(*PASS, "vllm"), with_=vllm_release(VLLM[version]), **kw)
 
 
-# The sibling patch on the same module (omni-stage-executor-failure-teardown) is switched off: the contract compares the
-# whole target module before, during and after this patch alone.
-SIBLINGS = {"OMNI_PATCHES_OMNI_STAGE_EXECUTOR_FAILURE_TEARDOWN": "0"}
-
-
 def env(version, env=None):
     """The contract Env ``omni-<version>`` of :func:`release` (``env``: the variant's switches)."""
-    return release(version).env(label=f"omni-{version}", env={**SIBLINGS, **(env or {})})
+    return release(version).env(label=f"omni-{version}", env=env)
 
 
 # -- the scenario (run in a child on a release: Release.call) -----------------------------------------------------

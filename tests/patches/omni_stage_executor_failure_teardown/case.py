@@ -10,9 +10,7 @@ AFFECTED = ["0.22.0", "0.23.0rc1", "0.24.0rc1", "0.24.0", "0.25.0rc1", "0.26.0rc
             "0.28.0rc1", "0.28.0", "0.29.0rc1", "0.30.0rc1", "0.30.0"]
 
 
-# The sibling patch on the same module (omni-diffusion-stage-init-deadline) is switched off: the contract compares the
-# whole target module before, during and after this patch alone.
-sandbox = sandboxes(paths, env={"OMNI_PATCHES_OMNI_DIFFUSION_STAGE_INIT_DEADLINE": "0"})
+sandbox = sandboxes(paths)
 BASE = sandbox("0.30.0")
 
 

@@ -10,9 +10,7 @@ AFFECTED = ["0.24.0rc1", "0.24.0", "0.25.0rc1", "0.26.0rc1", "0.26.0", "0.27.0rc
             "0.29.0rc1", "0.30.0rc1", "0.30.0"]
 
 
-# The sibling patch on the same class (omni-stage-shutdown-nonblocking) is switched off: the contract compares the whole
-# target module before, during and after this patch alone.
-sandbox = sandboxes(paths, env={"OMNI_PATCHES_OMNI_STAGE_SHUTDOWN_NONBLOCKING": "0"})
+sandbox = sandboxes(paths)
 BASE = sandbox("0.28.0")
 ABORT_SEND = ('                    "type": "abort",\n                    "request_ids": list(request_ids),\n'
               '                }\n            )\n        )')

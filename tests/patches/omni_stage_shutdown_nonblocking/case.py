@@ -4,9 +4,7 @@ from support.omni_cases import sandboxes, skipped, source_built
 from support.stage_client_sandbox import CLIENT_RELPATH, paths
 
 
-# The sibling patch on the same class (omni-stage-send-dead-engine) is switched off: the contract compares the whole
-# target module before, during and after this patch alone.
-sandbox = sandboxes(paths, env={"OMNI_PATCHES_OMNI_STAGE_SEND_DEAD_ENGINE": "0"})
+sandbox = sandboxes(paths)
 BASE = sandbox("0.28.0")
 SEND = 'self._request_socket.send(self._encoder.encode({"type": "shutdown"}))'
 
