@@ -8,11 +8,13 @@
 Linux only. Every half second it reads ``/proc``: each descendant of the pytest process (a worker, a contract
 child, a server and its stage processes, a gloo rank) is charged, by its user + system CPU time, to the
 ``PYTEST_CURRENT_TEST`` its environment started with -- pytest names the running test there, and children inherit
-it. A child forked from a zygote (``omni_patches.testing.zygote``) keeps the zygote's start-up environment, so it
-is charged to the test that started its zygote (shown as ``zygote`` in the kind column). Processes that leave the
-tree (a daemon re-parented to init) are charged while they are seen in it; CPU a process spends in the last half
-second before it exits is lost; the whole machine's busy time (``/proc/stat``) is printed beside the charge, so
-what was missed shows. The wall time goes beside the CPU time: ``CPU / (wall x cores)`` is how busy
+it; a process that started with no test in its environment (Ray's nodes start from an empty one) goes to the test of
+the process it was found under. A child forked from a zygote (``omni_patches.testing.zygote``) keeps the zygote's
+start-up environment, so it is charged to the test that started its zygote (shown as ``zygote`` in the kind column).
+A process once seen stays watched after it leaves the tree (a daemon re-parented when its parent exits, as ``ray
+start``'s are), and so do the processes it starts later; one that leaves the tree before the first half-second
+sample sees it is missed, and CPU a process spends in the last half second before it exits is lost: the whole
+machine's busy time (``/proc/stat``) is printed beside the charge, so what was missed shows. The wall time goes beside the CPU time: ``CPU / (wall x cores)`` is how busy
 the machine was, and ``CPU / cores`` the shortest wall time this much work allows. The pytest processes (the
 controller and xdist workers) are charged to no test.
 """
@@ -25,23 +27,19 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.state_guard import descendants  # noqa: E402 - the suite's own walk of /proc (its state guard)
 
 HZ = os.sysconf("SC_CLK_TCK")
 
 
 def _stat(pid: int):
-    """(start ticks, CPU seconds) of ``pid``, or None."""
+    """(parent pid, start ticks, CPU seconds) of ``pid``, or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read()
     except OSError:
         return None
     fields = raw[raw.rindex(b")") + 2:].split()
-    return int(fields[19]), (int(fields[11]) + int(fields[12])) / HZ
+    return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / HZ
 
 
 def _started_as(pid: int) -> tuple[str, str]:
@@ -81,18 +79,33 @@ def machine_cpu() -> float:
 
 
 def sample(root: int, seen: dict) -> None:
-    """Update ``seen`` {(pid, start): [test, kind, cpu, command line]} with ``root`` and every live descendant."""
-    for pid in [root, *descendants(root)]:
-        got = _stat(pid)
-        if got is None:
+    """Update ``seen`` {(pid, start): [test, kind, cpu, command line]} with ``root``, every live descendant of it,
+    and every live process seen before (its pid and start ticks name it) with its descendants. A process is met
+    after its parent, and one whose environment names no test takes its parent's."""
+    table = {}  # pid: (parent pid, start ticks, CPU seconds), one walk of /proc
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (got := _stat(int(name))) is not None:
+            table[int(name)] = got
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = collections.deque([root, *(pid for pid, start in seen if pid in table and table[pid][1] == start)])
+    visited = set()
+    while todo:
+        pid = todo.popleft()
+        if pid in visited or pid not in table:
             continue
-        start, cpu = got
+        visited.add(pid)
+        ppid, start, cpu = table[pid]
         entry = seen.get((pid, start))
         if entry is None:
             test, cmd = _started_as(pid)
+            if not test and ppid in table:
+                test = seen.get((ppid, table[ppid][1]), [""])[0]
             seen[(pid, start)] = [test, _kind(cmd), cpu, cmd.rstrip()[:400]]
         else:
             entry[2] = cpu
+        todo.extend(children.get(pid, ()))
 
 
 def main() -> int:
@@ -121,7 +134,7 @@ def main() -> int:
           f"needs >= {charged / cores / 60:.1f} min of wall time on {cores} cores")
     print(f"the whole machine: {machine / 60:.1f} CPU-min busy ({100 * machine / (wall * cores):.0f}%); "
           f"{max(machine - charged, 0) / 60:.1f} of them uncharged: processes that left the tree before they were "
-          f"seen (Ray's daemons and workers), CPU lost at exits, this sampler, anything else on the machine")
+          f"seen, CPU lost at exits, this sampler, anything else on the machine")
     print("by kind: " + ", ".join(f"{k} {v / 60:.1f}" for k, v in by_kind.most_common()))
     print("| CPU-min | processes | test file |\n|---:|---:|---|")
     for where, cpu in by_file.most_common(args.top):

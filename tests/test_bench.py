@@ -30,12 +30,37 @@ def test_bench_run_quick_prints_the_summary_table():
 
 
 BURN_CODE = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.0: pass"
+# A daemon as `ray start` leaves one: forked, its parent gone 1.5 s later (so a half-second sample sees it in the
+# tree first), started from an empty environment; only then it burns 2 s of CPU and says so in a file.
+DAEMON_CODE = """
+import os, sys, time
+if os.fork() == 0:
+    os.execve(sys.executable, [sys.executable, "-c", sys.argv[2], sys.argv[1], str(os.getppid())], {})
+time.sleep(1.5)
+"""
+DAEMON_BURN = """
+import os, sys, time
+while os.getppid() == int(sys.argv[2]):
+    time.sleep(0.05)
+t = time.process_time()
+while time.process_time() - t < 2.0: pass
+open(sys.argv[1], "w").close()
+"""
 BURN = f'''
-import subprocess, sys
+import subprocess, sys, time
 
 def test_burns_in_a_child():
     # 2 s of CPU in a process of its own: charged to this test by the profiler
     subprocess.run([sys.executable, "-c", {BURN_CODE!r}], check=True)
+
+def test_a_daemon_burns_after_it_left_the_tree(tmp_path):
+    done = tmp_path / "done"
+    subprocess.run([sys.executable, "-c", {DAEMON_CODE!r}, str(done), {DAEMON_BURN!r}], check=True)
+    deadline = time.monotonic() + 60
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert done.exists()
+    time.sleep(0.2)  # its exit
 
 def test_idle():
     pass
@@ -44,7 +69,7 @@ def test_idle():
 
 def test_suite_cpu_charges_a_childs_cpu_to_its_test_file(tmp_path):
     """bench/suite_cpu.py: a test whose child burns 2 s of CPU is charged that (less the last half-second sample
-    at most), to its own test id; the idle test nothing."""
+    at most), to its own test id; so is one whose daemon burns it after leaving the tree; the idle test nothing."""
     (tmp_path / "test_burn.py").write_text(BURN)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "suite_cpu.py"), "--json", str(tmp_path / "c.json"),
                            "--", "-q", "-p", "no:cacheprovider", "test_burn.py"], capture_output=True, text=True,
@@ -58,6 +83,11 @@ def test_suite_cpu_charges_a_childs_cpu_to_its_test_file(tmp_path):
     assert burn[0]["cmd"].endswith(" -c " + BURN_CODE), burn
     assert 1.4 <= burn[0]["cpu_s"] <= 3.0, burn
     assert not [r for r in records if r["test"].endswith("::test_idle")], records  # it started nothing
+    # The daemon: re-parented, with no test in its environment -- still charged its 2 s, to the test it came from.
+    daemon = [r for r in records if " -c " + DAEMON_BURN.rstrip() in r["cmd"] and "os.fork()" not in r["cmd"]]
+    assert len(daemon) == 1, records
+    assert daemon[0]["test"] == "test_burn.py::test_a_daemon_burns_after_it_left_the_tree", daemon
+    assert 1.4 <= daemon[0]["cpu_s"] <= 3.0, daemon
     # The whole machine's busy time (/proc/stat) beside the charge: never less than what was charged.
     charged = float(re.search(r"charged: ([\d.]+) CPU-min", proc.stdout).group(1))
     machine = float(re.search(r"the whole machine: ([\d.]+) CPU-min busy", proc.stdout).group(1))
