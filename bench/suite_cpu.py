@@ -14,9 +14,9 @@ start-up environment, so it is charged to the test that started its zygote (show
 A process once seen stays watched after it leaves the tree (a daemon re-parented when its parent exits, as ``ray
 start``'s are), and so do the processes it starts later; one that leaves the tree before the first half-second
 sample sees it is missed, and CPU a process spends in the last half second before it exits is lost: the whole
-machine's busy time (``/proc/stat``) is printed beside the charge, so what was missed shows. The wall time goes beside the CPU time: ``CPU / (wall x cores)`` is how busy
-the machine was, and ``CPU / cores`` the shortest wall time this much work allows. The pytest processes (the
-controller and xdist workers) are charged to no test.
+machine's busy time (``/proc/stat``) is printed beside the charge, so what was missed shows. The wall time goes
+beside the CPU time: ``CPU / (wall x cores)`` is how busy the machine was, and ``CPU / cores`` the shortest wall
+time this much work allows. The pytest processes (the controller and xdist workers) are charged to no test.
 """
 from __future__ import annotations
 
