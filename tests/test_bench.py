@@ -30,13 +30,13 @@ def test_bench_run_quick_prints_the_summary_table():
 
 
 BURN_CODE = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.0: pass"
-# A daemon as `ray start` leaves one: forked, its parent gone 1.5 s later (so a half-second sample sees it in the
+# A daemon as `ray start` leaves one: forked, its parent gone 3 s later (so a half-second sample sees it in the
 # tree first), started from an empty environment; only then it burns 2 s of CPU and says so in a file.
 DAEMON_CODE = """
 import os, sys, time
 if os.fork() == 0:
     os.execve(sys.executable, [sys.executable, "-c", sys.argv[2], sys.argv[1], str(os.getppid())], {})
-time.sleep(1.5)
+time.sleep(3.0)
 """
 DAEMON_BURN = """
 import os, sys, time
