@@ -162,3 +162,52 @@ def test_threads_sharing_the_zygotes_each_get_their_own_answer(tmp_path, mocker)
     for i, proc in enumerate(runs):
         assert proc.stdout.split() == ["ANSWER", str(i)] and proc.returncode == i % 7, (i, proc)
     assert 0 < fresh.call_count < 12, "some ran in the zygote, the busy ones fresh"
+
+
+PRELOADED_MOD = "import os\nLOADED_BY = os.getpid()\n"
+WHO_LOADED = ("import os, sys, omni_pre_mod as m; print('LOADED', m.__file__, "
+              "'zygote' if m.LOADED_BY != os.getpid() else 'child')")
+
+
+def test_an_extra_preload_serves_the_children_whose_path_holds_the_same_files(zygotes, tmp_path, mocker):
+    """``OMNI_TESTING_PRELOAD`` (a contract ``Env.preload``): the zygote imports a deps directory's modules once;
+    a child whose own path holds that directory finds them imported, from the same file. A child whose path lacks
+    it, or finds another copy first, fails loudly instead of running on what a fresh interpreter would not import;
+    a contract check asks for its environment's preload, where the case is imported and the environment sets
+    nothing the preloaded modules read as they import."""
+    deps, other = tmp_path / "deps", tmp_path / "other"
+    for d in (deps, other):
+        d.mkdir()
+        (d / "omni_pre_mod.py").write_text(PRELOADED_MOD)
+    preload = json.dumps({"paths": [str(deps)], "modules": ["omni_pre_mod"]})
+    env = {**_env(tmp_path), "PYTHONPATH": str(deps), "OMNI_TESTING_PRELOAD": preload}
+    rc, out, err = zygotes.run([], env, None, 120, code=WHO_LOADED)
+    assert rc == 0 and out.split() == ["LOADED", str(deps / "omni_pre_mod.py"), "zygote"], (out, err)
+    fresh = subprocess.run([sys.executable, "-c", WHO_LOADED], capture_output=True, text=True, env=env, timeout=120)
+    assert fresh.stdout.split() == ["LOADED", str(deps / "omni_pre_mod.py"), "child"], fresh.stderr
+    for path in (str(other), os.pathsep.join([str(other), str(deps)]), str(tmp_path)):
+        rc, out, err = zygotes.run([], {**env, "PYTHONPATH": path}, None, 120, code=WHO_LOADED)
+        assert rc == 1 and "OMNI_TESTING_PRELOAD: this zygote preloaded omni_pre_mod" in err, (path, out, err)
+    assert len(zygotes._procs) == 1  # one zygote served all four
+
+    (tmp_path / "pre_case.py").write_text(
+        "from omni_patches.testing import Case, Env\n"
+        f"PRE = lambda: {json.loads(preload)!r}\n"
+        "CASE = Case('omni-pre', affected=[Env('x', lambda: [], preload=PRE),\n"
+        "                                  Env('hf', lambda: [], {'HF_HOME': '/nowhere'}, preload=PRE)])\n")
+    import importlib
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.import_module("pre_case")
+        run = mocker.patch.object(contract.zygotes, "run", return_value=(0, 'CONTRACT {"ok": true}\n', ""))
+        assert contract.check("pre_case", "affected", 0, pythonpath=[tmp_path])["ok"]
+        assert run.call_args.args[1]["OMNI_TESTING_PRELOAD"] == json.dumps(json.loads(preload), sort_keys=True)
+        contract.check("pre_case", "affected", 1, pythonpath=[tmp_path])  # sets what transformers reads at import
+        assert "OMNI_TESTING_PRELOAD" not in run.call_args.args[1]
+        del sys.modules["pre_case"]  # not imported here: no preload asked
+        contract.check("pre_case", "affected", 0, pythonpath=[tmp_path])
+        assert "OMNI_TESTING_PRELOAD" not in run.call_args.args[1]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("pre_case", None)

@@ -9,6 +9,7 @@ import sys
 import omni_patches
 from omni_patches import engine, flags, registry, wrapping
 from omni_patches.states import State
+from omni_patches.testing import zygote
 
 DRIFTED_KIND = "drifted"
 
@@ -171,6 +172,7 @@ def main(case_ref, kind, index):
     else:
         raise SystemExit(f"unknown kind {kind}")
     sys.path[:0] = env.paths()
+    zygote.verify_preloaded()  # forked from a zygote that preloaded this environment's deps: the same files
     os.environ.update(env.env)
     for other in siblings(registry.load().specs, spec):
         os.environ.setdefault(flags.env_name(other), "0")

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Callable
 
 from omni_patches.tools import atomic
+from omni_patches.testing import zygote
 
 
 #: The ``OMNI_PATCHES*`` variables a child keeps when its switches are dropped: an overlay's registry, where records
@@ -76,6 +77,10 @@ class Env:
     paths: Callable[[], list]
     env: dict = field(default_factory=dict)
     imports: list | None = None  # modules to import (default: the patch's targets that import here)
+    #: ``() -> {"paths": [...], "modules": [...]}``: third-party modules of this environment's deps (directories
+    #: among ``paths()``, never the release's own package) that a zygote may import once for all its children
+    #: (:data:`omni_patches.testing.zygote.PRELOAD_ENV`); each child checks that its path holds the same files.
+    preload: Callable[[], dict] | None = None
 
     @classmethod
     def edited(cls, label, base: "Env", relpath: str, old: str, new: str, **kw) -> "Env":
@@ -105,7 +110,8 @@ class Env:
             atomic.build_once(dst, fill, cache=cache_dir() / "edited", key=dst.name, marker=EDITED_LAYOUT)
             return [str(dst), *src_paths[1:]]
 
-        return cls(label, build, {**base.env, **kw.pop("env", {})}, kw.pop("imports", base.imports))
+        return cls(label, build, {**base.env, **kw.pop("env", {})}, kw.pop("imports", base.imports),
+                   kw.pop("preload", base.preload))
 
 
     @classmethod
@@ -171,6 +177,9 @@ def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=
         env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_PATCHES") or k in KEPT_SETTINGS}
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")])
+    preload = _preload_of(case_ref, kind, index)
+    if preload:
+        env[zygote.PRELOAD_ENV] = json.dumps(preload, sort_keys=True)
     argv = [case_ref, kind, str(index)]
     proc = _run_child(argv, env, cwd, timeout)
     rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
@@ -179,6 +188,23 @@ def check(case_ref: str, kind: str, index: int, *, pythonpath=(), cwd=None, env=
         raise AssertionError(f"contract child failed (rc={rc})\n--- stdout\n{stdout[-6000:]}"
                              f"\n--- stderr\n{stderr[-6000:]}")
     return json.loads(lines[-1][len("CONTRACT "):])
+
+
+def _preload_of(case_ref: str, kind: str, index: int):
+    """The preload of the environment a check runs in, where this process has imported the case already (as a test
+    that lists its parts has); None otherwise: the child then runs as it would without one."""
+    case = getattr(sys.modules.get(case_ref), "CASE", None)
+    if not isinstance(case, Case):
+        return None
+    try:
+        entry = {"affected": case.affected, "lazy": case.affected, "skipped": case.skipped,
+                 "drifted": case.drifted, "source": case.source_built, "unexpected": case.unexpected}[kind][index]
+    except (KeyError, IndexError):
+        return None
+    env = entry.env if isinstance(entry, Unexpected) else entry if isinstance(entry, Env) else entry[0]
+    if not env.preload or any(k.startswith(Zygotes.EXTRA_PREFIXES) for k in env.env):
+        return None  # the child sets what the preloaded modules read as they import: they import there
+    return env.preload()
 
 
 def run_code(code: str, *args, env=None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -240,7 +266,11 @@ class Zygotes:
     #: started its own, ~7 CPU-s each). ``PYTHONPATH`` is each child's own: it rebuilds ``sys.path`` from it.
     PRELOAD_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL", "ONEDNN", "DNNL", "OPENBLAS",
                         "NUMPY", "CUDA", "TRITON", "LD_", "LC_", "XDG_")
-    PRELOAD_NAMES = frozenset({"HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER"})
+    PRELOAD_NAMES = frozenset({"HOME", "PATH", "TMPDIR", "TEMP", "TMP", "LANG", "LANGUAGE", "USER",
+                               zygote.PRELOAD_ENV})
+    #: Read at import by what an extra preload (:data:`zygote.PRELOAD_ENV`) imports (transformers, huggingface_hub):
+    #: keyed too where one is asked for.
+    EXTRA_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "SAFETENSORS", "PYDANTIC")
     CHILD_OWN = "PYTHONPATH"  # matches PRELOAD_PREFIXES, but is each child's own (not part of the key)
     #: pytest's name for the test that starts a zygote, passed on but never keyed: bench/suite_cpu.py charges the
     #: zygote's CPU to that test.
@@ -254,16 +284,18 @@ class Zygotes:
     @classmethod
     def preload_env(cls, env) -> dict:
         """The part of ``env`` a zygote is started with (and keyed by)."""
+        prefixes = cls.PRELOAD_PREFIXES + (cls.EXTRA_PREFIXES if env.get(zygote.PRELOAD_ENV) else ())
         return {k: v for k, v in env.items()
-                if k != cls.CHILD_OWN and (k in cls.PRELOAD_NAMES or k.startswith(cls.PRELOAD_PREFIXES))}
+                if k != cls.CHILD_OWN and (k in cls.PRELOAD_NAMES or k.startswith(prefixes))}
 
     def _get(self, env, cwd):
         start_env = self.preload_env(env)
         key = (tuple(sorted(start_env.items())), str(cwd or ""))
-        proc = self._procs.get(key)
-        if proc is None or proc.poll() is not None:
-            self._procs.pop(key, None)
-            while len(self._procs) >= self.MAX:  # the oldest goes: a run rarely returns to an environment it left
+        proc = self._procs.pop(key, None)  # put back last: the dict is in order of use
+        if proc is not None and proc.poll() is None:
+            self._procs[key] = proc
+        else:
+            while len(self._procs) >= self.MAX:  # the least recently used goes
                 self._stop(self._procs.pop(next(iter(self._procs))))
             home = str(Path(__file__).resolve().parents[2])
             boot_env = dict(start_env)

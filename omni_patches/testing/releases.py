@@ -641,9 +641,10 @@ class Release:
         return out
 
     # -- using it
-    def env(self, label: str | None = None, env: dict | None = None, imports=None) -> Env:
-        """A contract :class:`~omni_patches.testing.Env` of this release (built when the child asks)."""
-        return Env(label or self.name, self.paths, dict(env or {}), imports)
+    def env(self, label: str | None = None, env: dict | None = None, imports=None, preload=None) -> Env:
+        """A contract :class:`~omni_patches.testing.Env` of this release (built when the child asks); ``preload``:
+        its :attr:`~omni_patches.testing.Env.preload`."""
+        return Env(label or self.name, self.paths, dict(env or {}), imports, preload)
 
     def child_env(self, extra: dict | None = None, pythonpath=()) -> dict:
         """The environment of a child on this release: this one's without the shim's switches (its settings stay,

@@ -29,14 +29,58 @@ PRELOAD = ("torch", "torch._dynamo", "torch._inductor.lowering", "torch._inducto
            "torch._inductor.standalone_compile", "numpy")
 
 
-def _preload() -> None:
+#: ``{"paths": [dir, ...], "modules": [name, ...]}`` (JSON) in a zygote's start environment: third-party modules
+#: that the children import from those directories (a release's deps, never its own package), imported once here
+#: with the directories first on ``sys.path``, which is then restored. Each child must have the same directories on
+#: its own path by the time it imports them: :func:`verify_preloaded` checks it (:mod:`omni_patches.testing.child`
+#: after its environment's paths are in place, a ``-c`` child at once).
+PRELOAD_ENV = "OMNI_TESTING_PRELOAD"
+
+#: Top-level module -> the file it was loaded from, for every module the extra preload loaded from its directories.
+PRELOADED: dict = {}
+
+
+def _import_all(names) -> None:
     import importlib
 
-    for name in PRELOAD:
+    for name in names:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a module this interpreter lacks is simply not preloaded
             pass
+
+
+def _preload() -> None:
+    _import_all(PRELOAD)
+    extra = os.environ.get(PRELOAD_ENV)
+    if not extra:
+        return
+    spec = json.loads(extra)
+    dirs = [os.path.abspath(p) for p in spec.get("paths", [])]
+    saved = list(sys.path)
+    sys.path[:0] = dirs
+    try:
+        _import_all(spec.get("modules", []))
+    finally:
+        sys.path[:] = saved
+    roots = tuple(os.path.join(d, "") for d in dirs)
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None)
+        if "." not in name and origin and os.path.abspath(origin).startswith(roots):
+            PRELOADED[name] = os.path.abspath(origin)
+
+
+def verify_preloaded(path=None) -> None:
+    """Raise unless every module the extra preload loaded is what ``path`` (default ``sys.path``) would load: a
+    child that would find another copy of it (or none) cannot run as a fresh interpreter would in this zygote."""
+    from importlib.machinery import PathFinder
+
+    for name, origin in PRELOADED.items():
+        found = PathFinder.find_spec(name, sys.path if path is None else path)
+        if found is None or not found.origin or os.path.abspath(found.origin) != origin:
+            raise RuntimeError(f"{PRELOAD_ENV}: this zygote preloaded {name} from {origin}, but this child's path "
+                               f"would import {found.origin if found else 'nothing'}: preload only what the "
+                               "child's own path provides")
 
 
 #: The zygote's ``sys.path`` after the first entry (the script's or module's directory) when it started:
@@ -86,6 +130,8 @@ def _child(request: dict, answers: int) -> None:
                 os.chdir(request["cwd"])
             sys.path[:] = _child_path(os.environ, "" if program is not None else os.getcwd())
             importlib.invalidate_caches()
+            if program is not None:  # its path is complete now (a contract child's, once its environment is set)
+                verify_preloaded()
             if program is None:
                 sys.argv = ["-m", *argv]
                 runpy.run_module("omni_patches.testing.child", run_name="__main__", alter_sys=True)

@@ -34,7 +34,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing import run_code, standins
+from omni_patches.testing import run_code, standins, zygote
 from omni_patches.testing.releases import Release
 
 from . import wheels
@@ -100,6 +100,15 @@ def base_deps() -> Path:
 
 def extra_deps() -> Path:
     return wheels.deps_dir(f"ascend-real-{hashlib.sha256(' '.join(EXTRA_DEPS).encode()).hexdigest()[:8]}", EXTRA_DEPS)
+
+
+def deps_preload() -> dict:
+    """``Env.preload`` of a release environment here: what importing vLLM and vllm-ascend loads from the deps."""
+    from . import ep_world
+
+    spec = ep_world.deps_preload([base_deps(), extra_deps()])
+    spec["modules"] += ["rich", "einops", "starlette"]
+    return spec
 
 
 @functools.cache
@@ -222,6 +231,7 @@ def run(release: str, code: str, *, vllm: str | None = None, metadata_version: s
     """Run ``code`` against the release in an interpreter of its own (``testing.run_code``); return the JSON of
     its last ``RESULT`` line."""
     env = child_env(paths(release, vllm=vllm, metadata_version=metadata_version), **extra)
+    env[zygote.PRELOAD_ENV] = json.dumps(deps_preload())  # the child's path holds those deps: the same files
     proc = run_code(textwrap.dedent(code), env=env, timeout=timeout, cwd=str(ROOT))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

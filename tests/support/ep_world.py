@@ -50,6 +50,21 @@ PRELOAD = ["torch.distributed", "vllm.config", "vllm.distributed.parallel_state"
            "vllm_omni.diffusion.distributed.parallel_state", "vllm_omni.diffusion.forward_context"]
 
 
+#: What importing vLLM's pure-Python parts imports from the deps directories (and the parts of torch it reaches
+#: that the zygote does not preload): a contract child of a case on these deps is forked from a zygote that
+#: imported them once (``Env.preload``; each child checks its path holds the same files).
+DEPS_PRELOAD = ("transformers", "transformers.models.auto.image_processing_auto", "transformers.modeling_utils",
+                "transformers.processing_utils", "transformers.quantizers.auto", "pydantic", "aiohttp",
+                "huggingface_hub", "gguf", "fastapi", "openai", "prometheus_client", "msgspec", "zmq", "cachetools",
+                "tokenizers", "safetensors", "psutil", "requests", "yaml", "regex", "torch._inductor.compile_fx",
+                "torch.utils.cpp_extension")
+
+
+def deps_preload(dirs) -> dict:
+    """``Env.preload``'s value for an environment whose deps are ``dirs``."""
+    return {"paths": [str(d) for d in dirs], "modules": list(DEPS_PRELOAD)}
+
+
 # --------------------------------------------------------------------------------------------------
 # Parent side (pytest process): vLLM's deps, launch the driver.
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Contract case for ascend-moe-skip-idle-lora: REAL vllm-ascend releases with the REAL vLLM each was built for
 (``support.ascend_real``: torch_npu / CANN stubbed as vllm-ascend's own CPU unit tests do). One release per
 layout; test_ascend_skip.py drives every release."""
-from support.ascend_real import paths
+from support.ascend_real import deps_preload, paths
 from omni_patches.testing import Case, Env, Unexpected
 
 FM = "vllm_ascend/ops/fused_moe/fused_moe.py"
@@ -9,9 +9,9 @@ RE = "vllm_ascend/ops/fused_moe/routed_experts.py"
 MLP = "vllm_ascend/ops/fused_moe/moe_mlp.py"
 FM_MOD, MLP_MOD = "vllm_ascend.ops.fused_moe.fused_moe", "vllm_ascend.ops.fused_moe.moe_mlp"
 
-V023 = Env("ascend-0.23.0-vllm-0.23.0", lambda: paths("0.23.0"))  # AscendFusedMoE.forward_impl
-V026 = Env("ascend-0.26.0rc1-vllm-0.26.0", lambda: paths("0.26.0rc1"))  # AscendMoERunner.no_shared_forward_impl
-V030 = Env("ascend-0.30.0rc2-vllm-0.30.0", lambda: paths("0.30.0rc2"))  # AscendRoutedExperts.forward_impl
+V023 = Env("ascend-0.23.0-vllm-0.23.0", lambda: paths("0.23.0"), preload=deps_preload)  # AscendFusedMoE.forward_impl
+V026 = Env("ascend-0.26.0rc1-vllm-0.26.0", lambda: paths("0.26.0rc1"), preload=deps_preload)  # AscendMoERunner.no_shared_forward_impl
+V030 = Env("ascend-0.30.0rc2-vllm-0.30.0", lambda: paths("0.30.0rc2"), preload=deps_preload)  # AscendRoutedExperts.forward_impl
 # No runner method matches: the narrow fallback on moe_mlp.unquant_apply_mlp applies instead (moe_mlp is no
 # target of its own: the contract snapshots it too).
 # Issue 14: the same real files installed with the metadata a source checkout carries (setuptools_scm from the
@@ -22,7 +22,7 @@ ASSUME = "OMNI_PATCHES_ASSUME_VERSION"
 
 def _as(release, metadata, **env):
     label = f"ascend-{release}-as-{metadata}" + "".join(f"-{v}" for v in env.values())
-    return Env(label, lambda: paths(release, metadata_version=metadata), env)
+    return Env(label, lambda: paths(release, metadata_version=metadata), env, preload=deps_preload)
 
 
 FALLBACK = Env.edited("ascend-0.26.0rc1-runner-renamed", V026, FM, "def no_shared_forward_impl(",
@@ -52,7 +52,7 @@ CASE = Case(
     patch_id="ascend-moe-skip-idle-lora",
     affected=[V023, V026, V030, FALLBACK],
     skipped=[
-        (Env("ascend-0.22.1rc1-vllm-0.22.1", lambda: paths("0.22.1rc1")), "skipped:version", "outside"),
+        (Env("ascend-0.22.1rc1-vllm-0.22.1", lambda: paths("0.22.1rc1"), preload=deps_preload), "skipped:version", "outside"),
         # The unquantized LoRA branch gated on the batch's LoRA tokens upstream: skipped as fixed, by feature.
         (Env.edited("ascend-0.26.0rc1-unquant-gated", V026, MLP, "    if lora_context is not None:  # LoRA applied",
                     "    if lora_context is not None and not lora_context.punica_wrapper.no_lora:  # LoRA applied"),

