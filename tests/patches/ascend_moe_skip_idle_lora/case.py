@@ -9,9 +9,11 @@ RE = "vllm_ascend/ops/fused_moe/routed_experts.py"
 MLP = "vllm_ascend/ops/fused_moe/moe_mlp.py"
 FM_MOD, MLP_MOD = "vllm_ascend.ops.fused_moe.fused_moe", "vllm_ascend.ops.fused_moe.moe_mlp"
 
-V023 = Env("ascend-0.23.0-vllm-0.23.0", lambda: paths("0.23.0"), preload=deps_preload)  # AscendFusedMoE.forward_impl
-V026 = Env("ascend-0.26.0rc1-vllm-0.26.0", lambda: paths("0.26.0rc1"), preload=deps_preload)  # AscendMoERunner.no_shared_forward_impl
-V030 = Env("ascend-0.30.0rc2-vllm-0.30.0", lambda: paths("0.30.0rc2"), preload=deps_preload)  # AscendRoutedExperts.forward_impl
+# vLLM's deps imported once per zygote (Env.preload); by layout: AscendFusedMoE.forward_impl (0.23.0),
+# AscendMoERunner.no_shared_forward_impl (0.26.0rc1), AscendRoutedExperts.forward_impl (0.30.0rc2).
+V023 = Env("ascend-0.23.0-vllm-0.23.0", lambda: paths("0.23.0"), preload=deps_preload)
+V026 = Env("ascend-0.26.0rc1-vllm-0.26.0", lambda: paths("0.26.0rc1"), preload=deps_preload)
+V030 = Env("ascend-0.30.0rc2-vllm-0.30.0", lambda: paths("0.30.0rc2"), preload=deps_preload)
 # No runner method matches: the narrow fallback on moe_mlp.unquant_apply_mlp applies instead (moe_mlp is no
 # target of its own: the contract snapshots it too).
 # Issue 14: the same real files installed with the metadata a source checkout carries (setuptools_scm from the
@@ -52,7 +54,8 @@ CASE = Case(
     patch_id="ascend-moe-skip-idle-lora",
     affected=[V023, V026, V030, FALLBACK],
     skipped=[
-        (Env("ascend-0.22.1rc1-vllm-0.22.1", lambda: paths("0.22.1rc1"), preload=deps_preload), "skipped:version", "outside"),
+        (Env("ascend-0.22.1rc1-vllm-0.22.1", lambda: paths("0.22.1rc1"), preload=deps_preload), "skipped:version",
+         "outside"),
         # The unquantized LoRA branch gated on the batch's LoRA tokens upstream: skipped as fixed, by feature.
         (Env.edited("ascend-0.26.0rc1-unquant-gated", V026, MLP, "    if lora_context is not None:  # LoRA applied",
                     "    if lora_context is not None and not lora_context.punica_wrapper.no_lora:  # LoRA applied"),
