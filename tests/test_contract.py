@@ -16,18 +16,11 @@ def _lazy(affected):
     return sorted({0, len(affected) - 1}) if affected else []
 
 
-def _preloads(case):
-    """Whether an environment of ``case`` has a zygote preload (``Env.preload``): its deps imported once per zygote."""
-    envs = [*case.affected, *(e for e, *_ in case.skipped), *(e for e, _ in case.drifted),
-            *(e for e, *_ in case.source_built), *(u.env for u in case.unexpected)]
-    return any(env.preload for env in envs)
-
-
 def _params():
     for name, case in CASES.items():
         # A case whose environments preload their deps runs on one worker (one xdist group): each preloading zygote
         # is then started once, not once per worker (3 workers: the preloads cost about what they saved).
-        marks = [pytest.mark.xdist_group(f"contract-preload:{name}")] if _preloads(case) else []
+        marks = [pytest.mark.xdist_group(f"contract-preload:{name}")] if any(e.preload for e in case.envs()) else []
         for kind, i, label in testing.parts(case, lazy=_lazy(case.affected)):
             yield pytest.param(f"patches.{name}.case", kind, i, id=f"{case.patch_id}-{kind}-{label}", marks=marks)
 

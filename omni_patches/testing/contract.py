@@ -134,6 +134,17 @@ class Case:
     # Unexpected(...) inputs: the wrapper runs the original code, gives stock's outcome, notes it once.
     unexpected: list = field(default_factory=list)
 
+    def env(self, kind: str, index: int) -> "Env":
+        """The environment of one part (``kind`` as :func:`parts` names it)."""
+        entry = {"affected": self.affected, "lazy": self.affected, "skipped": self.skipped, "drifted": self.drifted,
+                 "source": self.source_built, "unexpected": self.unexpected}[kind][index]
+        return entry.env if isinstance(entry, Unexpected) else entry if isinstance(entry, Env) else entry[0]
+
+    def envs(self) -> list:
+        """Every part's environment, in :func:`parts`' order of kinds."""
+        return [*self.affected, *(e for e, *_ in self.skipped), *(e for e, _ in self.drifted),
+                *(e for e, *_ in self.source_built), *(u.env for u in self.unexpected)]
+
 
 @dataclass
 class Unexpected:
@@ -197,11 +208,9 @@ def _preload_of(case_ref: str, kind: str, index: int):
     if not isinstance(case, Case):
         return None
     try:
-        entry = {"affected": case.affected, "lazy": case.affected, "skipped": case.skipped,
-                 "drifted": case.drifted, "source": case.source_built, "unexpected": case.unexpected}[kind][index]
+        env = case.env(kind, index)
     except (KeyError, IndexError):
         return None
-    env = entry.env if isinstance(entry, Unexpected) else entry if isinstance(entry, Env) else entry[0]
     if not env.preload or any(k.startswith(Zygotes.EXTRA_PREFIXES) for k in env.env):
         return None  # the child sets what the preloaded modules read as they import: they import there
     return env.preload()

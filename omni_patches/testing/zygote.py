@@ -70,13 +70,13 @@ def _preload() -> None:
             PRELOADED[name] = os.path.abspath(origin)
 
 
-def verify_preloaded(path=None) -> None:
-    """Raise unless every module the extra preload loaded is what ``path`` (default ``sys.path``) would load: a
-    child that would find another copy of it (or none) cannot run as a fresh interpreter would in this zygote."""
+def verify_preloaded() -> None:
+    """Raise unless every module the extra preload loaded is what ``sys.path`` would load: a child that would find
+    another copy of it (or none) cannot run as a fresh interpreter would in this zygote."""
     from importlib.machinery import PathFinder
 
     for name, origin in PRELOADED.items():
-        found = PathFinder.find_spec(name, sys.path if path is None else path)
+        found = PathFinder.find_spec(name, sys.path)
         if found is None or not found.origin or os.path.abspath(found.origin) != origin:
             raise RuntimeError(f"{PRELOAD_ENV}: this zygote preloaded {name} from {origin}, but this child's path "
                                f"would import {found.origin if found else 'nothing'}: preload only what the "
